@@ -1,0 +1,238 @@
+"""FederatedDataModule: raw data -> cached backbone features -> clients."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+from lightning import LightningDataModule
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from workbench.data.partition import partition as assign_clients
+
+PARTITION_PARAMS = {
+    "iid": (),
+    "dirichlet": ("alpha", "min_partition_size", "self_balancing"),
+    "shard": ("num_shards_per_partition", "shard_size"),
+    "pathological": ("num_classes_per_partition",),
+}
+
+
+@dataclass
+class SyntheticBlobs:
+    """Gaussian class blobs drawn directly in feature space (dataset `synthetic`, no backbone).
+
+    Class means are N(0, separation²/dim · I); each sample adds N(0, I) noise.
+    """
+
+    num_classes: int = 10
+    dim: int = 32
+    train_size: int = 2000
+    test_size: int = 500
+    separation: float = 6.0
+    seed: int = 0
+
+    def generate(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """-> train features (n, dim) float32, train labels (n,), test features, test labels."""
+        gen = torch.Generator().manual_seed(self.seed)
+        means = torch.randn(self.num_classes, self.dim, generator=gen) * self.separation / self.dim ** 0.5
+
+        def draw(n: int) -> tuple[Tensor, Tensor]:
+            labels = torch.arange(n) % self.num_classes
+            labels = labels[torch.randperm(n, generator=gen)]
+            return means[labels] + torch.randn(n, self.dim, generator=gen), labels
+
+        return (*draw(self.train_size), *draw(self.test_size))
+
+
+def stratified_holdout(labels: Tensor, fraction: float, seed: int) -> Tensor:
+    """A seeded boolean mask (n,) holding out `fraction` of every class (at least one sample)."""
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(len(labels), dtype=torch.bool)
+    for label in labels.unique():
+        members = (labels == label).nonzero().squeeze(1)
+        count = max(1, round(fraction * len(members)))
+        mask[members[torch.randperm(len(members), generator=gen)[:count]]] = True
+    return mask
+
+
+class FeatureBatches(Dataset):
+    """Contiguous slices of in-memory tensors; one item is one whole batch (no per-sample collate)."""
+
+    def __init__(self, batch_size: int, **tensors: Tensor) -> None:
+        self.tensors, self.batch_size = tensors, batch_size
+        self.length = len(next(iter(tensors.values())))
+
+    def __len__(self) -> int:
+        return -(-self.length // self.batch_size)
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        window = slice(index * self.batch_size, (index + 1) * self.batch_size)
+        return {name: t[window] for name, t in self.tensors.items()}
+
+
+class FederatedDataModule(LightningDataModule):
+    """Cached frozen-backbone features of a dataset, partitioned across clients.
+
+    Training batches hold several clients' samples (`features`, `labels`, `client_ids`),
+    ordered by client; test batches hold `features` and `labels` of the global test split.
+
+    Args:
+        dataset: a name from `workbench.data.datasets.list_datasets()`, or `synthetic`.
+        data_dir: where raw datasets are looked for (and downloaded to with `download`).
+        download: allow torchvision to download a missing dataset (needs internet).
+        backbone: `efficientnet_lite0` (packaged ImageNet weights) or any timm model name.
+        pretrained: load pretrained weights (else a seeded random init, for smoke tests).
+        weights_path: a local weights file for the backbone.
+        input_size, mean, std: preprocessing; default to the backbone's own.
+        cache_dir: where extracted features are stored.
+        extract_batch_size: images per backbone forward.
+        device: device of the backbone forward (`auto`: CUDA when present).
+        num_clients: K.
+        partition: `iid`, `dirichlet`, `shard` or `pathological`; the parameters below that
+            the scheme uses follow Flower datasets' names.
+        seed: seed of the partition and of the validation hold-out.
+        val_fraction: share of the training pool held out (stratified, before partitioning) as
+            a validation split for tuning; 0 = none, and `validate` then has nothing to run.
+        batch_size: samples per training/test batch of cached features.
+        synthetic: parameters of the `synthetic` dataset.
+    """
+
+    def __init__(
+        self,
+        dataset: str = "mnist5k",
+        data_dir: str = "~/.cache/workbench/data",
+        download: bool = False,
+        backbone: str = "efficientnet_lite0",
+        pretrained: bool = True,
+        weights_path: str | None = None,
+        input_size: int | None = None,
+        mean: tuple[float, float, float] | None = None,
+        std: tuple[float, float, float] | None = None,
+        cache_dir: str = "~/.cache/workbench/features",
+        extract_batch_size: int = 256,
+        device: str = "auto",
+        num_clients: int = 10,
+        partition: Literal["iid", "dirichlet", "shard", "pathological"] = "dirichlet",
+        alpha: float = 0.5,
+        min_partition_size: int = 10,
+        self_balancing: bool = False,
+        num_shards_per_partition: int = 2,
+        shard_size: int | None = None,
+        num_classes_per_partition: int = 2,
+        seed: int = 0,
+        val_fraction: float = 0.0,
+        batch_size: int = 4096,
+        synthetic: SyntheticBlobs = SyntheticBlobs(),
+    ) -> None:
+        super().__init__()
+        if partition not in PARTITION_PARAMS:
+            raise ValueError(f"unknown partition {partition!r}; choose one of {sorted(PARTITION_PARAMS)}")
+        if partition == "dirichlet" and not alpha > 0:
+            raise ValueError(f"data.alpha must be > 0 for a Dirichlet partition, got {alpha}; "
+                             "small values (0.05) mean strong label skew, large ones (100) near-iid")
+        if num_clients < 1:
+            raise ValueError(f"data.num_clients must be ≥ 1, got {num_clients}")
+        if not 0 <= val_fraction < 1:
+            raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
+        if batch_size < 1 or extract_batch_size < 1:
+            raise ValueError("batch_size and extract_batch_size must be ≥ 1")
+        self.save_hyperparameters()
+        self.args = self.hparams
+        self.synthetic = synthetic
+        self._ready = False
+
+    # ---- the shape of the problem ---------------------------------------------------------
+    @property
+    def num_clients(self) -> int:
+        return self.args.num_clients
+
+    @property
+    def num_classes(self) -> int:
+        self._require_setup()
+        return self._num_classes
+
+    @property
+    def feature_dim(self) -> int:
+        self._require_setup()
+        return self.train_features.shape[1]
+
+    def describe(self) -> dict[str, str]:
+        """Short labels of this data setup, for run names, tags and tables."""
+        args = self.args
+        main_param = PARTITION_PARAMS[args.partition][:1]  # the one that sets the skew
+        params = ",".join(f"{name}={args[name]}" for name in main_param)
+        is_synthetic = args.dataset == "synthetic"
+        return {"dataset": args.dataset,
+                "backbone": "none" if is_synthetic else args.backbone,
+                "partition": f"{args.partition}({params})" if params else args.partition,
+                "num_clients": str(args.num_clients)}
+
+    # ---- loading ----------------------------------------------------------------------------
+    def _require_setup(self) -> None:
+        if not self._ready:
+            raise RuntimeError("call setup() on the data module first")
+
+    def setup(self, stage: str | None = None) -> None:
+        if self._ready:
+            return
+        if self.args.dataset == "synthetic":
+            x_train, y_train, x_test, y_test = self.synthetic.generate()
+            self._num_classes = self.synthetic.num_classes
+        else:
+            x_train, y_train, x_test, y_test = self._backbone_features()
+        if self.args.val_fraction > 0:
+            val_mask = stratified_holdout(y_train, self.args.val_fraction, self.args.seed)
+            self.val_features, self.val_labels = x_train[val_mask], y_train[val_mask]
+            x_train, y_train = x_train[~val_mask], y_train[~val_mask]
+        client_ids = self._partition(y_train)
+        on_a_client = client_ids >= 0  # shard and pathological partitions may leave samples out
+        order = torch.argsort(client_ids[on_a_client], stable=True)
+        self.train_features = x_train[on_a_client][order]
+        self.train_labels = y_train[on_a_client][order]
+        self.train_client_ids = client_ids[on_a_client][order]
+        self.test_features, self.test_labels = x_test, y_test
+        self._ready = True
+
+    def _backbone_features(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        from workbench.backbones import build_backbone
+        from workbench.data.datasets import load_dataset
+        from workbench.data.features import cached_features
+
+        args = self.args
+        data = load_dataset(args.dataset, data_dir=args.data_dir, download=args.download)
+        self._num_classes = len(data.classes)
+        backbone = build_backbone(args.backbone, pretrained=args.pretrained, weights_path=args.weights_path,
+                                  input_size=args.input_size, mean=args.mean, std=args.std)
+        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        splits = []
+        for split_name, split in (("train", data.train), ("test", data.test)):
+            features = cached_features(backbone, split.images, split.labels, cache_dir=args.cache_dir,
+                                       dataset=args.dataset, split=split_name, source=data.source,
+                                       batch_size=args.extract_batch_size, device=device)
+            splits += [features, split.labels]
+        return tuple(splits)
+
+    def _partition(self, labels: Tensor) -> Tensor:
+        args = self.args
+        params = {name: args[name] for name in PARTITION_PARAMS[args.partition]}
+        ids = assign_clients(labels.numpy(), args.partition, args.num_clients, seed=args.seed, **params)
+        return torch.from_numpy(np.asarray(ids, dtype=np.int64))
+
+    # ---- loaders ----------------------------------------------------------------------------
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(FeatureBatches(self.args.batch_size, features=self.train_features,
+                                         labels=self.train_labels, client_ids=self.train_client_ids),
+                          batch_size=None)
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.args.val_fraction == 0:
+            return []  # no validation split: Lightning skips the loop
+        return DataLoader(FeatureBatches(self.args.batch_size, features=self.val_features,
+                                         labels=self.val_labels), batch_size=None)
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(FeatureBatches(self.args.batch_size, features=self.test_features,
+                                         labels=self.test_labels), batch_size=None)

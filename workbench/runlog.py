@@ -1,0 +1,69 @@
+"""Where a run's numbers go: a CSV log always, Weights & Biases when wanted, a summary on screen."""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from lightning.pytorch.loggers import CSVLogger, Logger
+
+
+def _wandb_mode(requested: str) -> str:
+    """`auto` means online only when an API key is configured, so a fresh machine never prompts."""
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if requested != "auto":
+        return requested
+    netrc = Path.home() / ".netrc"
+    has_key = bool(os.environ.get("WANDB_API_KEY")) or (
+        netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="ignore"))
+    return "online" if has_key else "offline"
+
+
+def default_run_name(method, datamodule) -> str:
+    info = datamodule.describe()
+    name = f"{type(method).__name__}-{info['dataset']}-{info['partition']}-K{info['num_clients']}"
+    return re.sub(r"[^A-Za-z0-9_.=,-]+", "_", name.lower())
+
+
+def make_loggers(method, datamodule, *, run_dir: str, run_name: str | None, wandb_mode: str,
+                 wandb_project: str) -> list[Logger]:
+    """CSV first (its folder is the run's folder), then W&B unless disabled."""
+    name = run_name or default_run_name(method, datamodule)
+    loggers: list[Logger] = [CSVLogger(save_dir=run_dir, name=name)]
+    mode = _wandb_mode(wandb_mode)
+    if mode != "disabled":
+        from lightning.pytorch.loggers import WandbLogger
+
+        info = datamodule.describe()
+        loggers.append(WandbLogger(
+            project=wandb_project, name=name, save_dir=loggers[0].log_dir, mode=mode,
+            group=type(method).__name__,
+            tags=[info["dataset"], info["backbone"], info["partition"], f"K={info['num_clients']}"]))
+    return loggers
+
+
+def _megabytes(value: float) -> str:
+    return f"{value / 1e6:,.3f} MB"
+
+
+def print_summary(trainer, method, checkpoint: Path | None = None) -> None:
+    """One screen: accuracy, rounds, bytes, time and where the logs are."""
+    metrics = {**getattr(method, "fit_metrics", {}),
+               **{k: float(v) for k, v in trainer.callback_metrics.items()}}
+    lines = [
+        f"method            {type(method).__name__}",
+        f"test accuracy     {metrics.get('test/acc', float('nan')):.4f}",
+        f"rounds            {method.round}",
+        f"bytes up          {_megabytes(metrics.get('comm/bytes_up', 0))} in all, "
+        f"{_megabytes(metrics.get('comm/bytes_up_per_client', 0))} per client",
+        f"bytes down        {_megabytes(metrics.get('comm/bytes_down', 0))}",
+        f"time              fit {metrics.get('time/fit_s', float('nan')):.2f} s "
+        f"(clients {metrics.get('time/client_s', float('nan')):.2f} s, "
+        f"server {metrics.get('time/server_s', float('nan')):.2f} s)",
+        f"logs              {trainer.log_dir}",
+    ]
+    if checkpoint is not None:
+        lines.append(f"fitted model      {checkpoint}")
+    width = max(map(len, lines))
+    print("\n".join(["─" * width, *lines, "─" * width]))
