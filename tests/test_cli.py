@@ -1,0 +1,96 @@
+"""The command line end to end on tiny synthetic data."""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import yaml
+
+from workbench.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--config", str(ROOT / "configs/synthetic_afl.yaml"), "--trainer.enable_progress_bar=false"]
+
+
+def last_run(run_dir: Path) -> Path:
+    return max(run_dir.glob("*/version_*"), key=lambda p: p.stat().st_mtime)
+
+
+def metrics(run: Path) -> dict[str, float]:
+    merged = {}
+    for row in csv.DictReader((run / "metrics.csv").open()):
+        merged.update({k: float(v) for k, v in row.items() if v})
+    return merged
+
+
+def test_fit_logs_accuracy_bytes_and_time_and_reruns_into_the_same_folder(tmp_path, capsys):
+    for _ in range(2):
+        main(["fit", *TINY, f"--run_dir={tmp_path}"])
+    runs = sorted(tmp_path.glob("*/version_*"))
+    assert [r.name for r in runs] == ["version_0", "version_1"]
+    logged = metrics(runs[-1])
+    assert logged["test/acc"] > 0.95
+    assert logged["comm/rounds"] == 1
+    assert logged["comm/bytes_up"] == 10 * (32 * 33 // 2 + 32 * 10) * 8
+    assert logged["time/fit_s"] > 0
+    assert (runs[-1] / "config.yaml").exists() and (runs[-1] / "model.ckpt").exists()
+    out = capsys.readouterr().out
+    assert "test accuracy" in out and str(runs[-1]) in out
+
+
+def test_test_subcommand_reloads_a_fitted_checkpoint(tmp_path):
+    main(["fit", *TINY, f"--run_dir={tmp_path}"])
+    fitted = last_run(tmp_path)
+    cli = main(["test", *TINY, f"--run_dir={tmp_path / 'eval'}", f"--ckpt_path={fitted / 'model.ckpt'}"])
+    assert cli.trainer.callback_metrics["test/acc"] == pytest.approx(metrics(fitted)["test/acc"])
+
+
+def test_validate_uses_the_held_out_split(tmp_path):
+    cli = main(["fit", *TINY, f"--run_dir={tmp_path}", "--data.val_fraction=0.1"])
+    assert len(cli.datamodule.val_labels) == 200  # 10% of each class of 2000
+    assert metrics(last_run(tmp_path))["val/acc"] > 0.9
+
+
+def test_short_class_names_and_overrides(tmp_path):
+    cli = main(["fit", "--model=AFL", "--model.gamma_out=0.5", "--data=FederatedDataModule",
+                "--data.dataset=synthetic", "--data.num_clients=5", "--data.partition=iid",
+                "--trainer.enable_progress_bar=false", f"--run_dir={tmp_path}"])
+    assert cli.model.gamma_out == 0.5 and cli.datamodule.num_clients == 5
+    assert cli.model.fitted
+
+
+def test_print_config_round_trips(tmp_path, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["fit", *TINY, "--print_config"])
+    assert done.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["class_path"] == "workbench.methods.AFL"
+    assert printed["data"]["init_args"]["partition"] == "dirichlet"
+    config = tmp_path / "printed.yaml"
+    config.write_text(yaml.safe_dump(printed))
+    main(["fit", f"--config={config}", f"--run_dir={tmp_path}", "--trainer.enable_progress_bar=false"])
+
+
+def test_unknown_key_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", *TINY, "--data.num_clientz=3"])
+    assert "num_clientz" in capsys.readouterr().err
+
+
+def test_unknown_method_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", *TINY, "--model=NoSuchMethod"])
+    assert "NoSuchMethod" in capsys.readouterr().err
+
+
+def test_impossible_partition_is_a_clear_error():
+    with pytest.raises(ValueError, match="alpha must be > 0"):
+        main(["fit", *TINY, "--data.alpha=0"])
+    with pytest.raises(ValueError, match="num_partitions|samples"):
+        main(["fit", *TINY, "--data.num_clients=5000", "--data.partition=iid"])
+
+
+def test_validate_without_a_validation_split_says_how_to_get_one(tmp_path):
+    with pytest.raises(ValueError, match="val_fraction"):
+        main(["validate", *TINY, f"--run_dir={tmp_path}"])
