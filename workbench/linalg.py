@@ -37,8 +37,11 @@ def solve_spd(gram: Tensor, rhs: Tensor, *, what: str = "Gram matrix") -> Tensor
         "(e.g. gamma_out > 0) for a unique, well-conditioned solution.",
         stacklevel=2,
     )
-    driver = "gelsd" if gram.device.type == "cpu" else None
-    return torch.linalg.lstsq(gram, rhs, driver=driver).solution
+    # Pseudo-inverse through the eigendecomposition: `gram` is symmetric, so this is the SVD.
+    eigenvalues, eigenvectors = torch.linalg.eigh(gram)
+    cutoff = eigenvalues.abs().max() * gram.shape[0] * torch.finfo(gram.dtype).eps
+    inverse = torch.where(eigenvalues > cutoff, 1 / eigenvalues, torch.zeros_like(eigenvalues))
+    return eigenvectors @ (inverse[:, None] * (eigenvectors.T @ rhs))
 
 
 def packed_symmetric_numel(side: int) -> int:

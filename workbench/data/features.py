@@ -42,13 +42,15 @@ def preprocess(images: Tensor, input_size: int, mean: tuple, std: tuple) -> Tens
 def extract_features(backbone, images: Tensor, batch_size: int = 256, device: str = "cpu",
                      desc: str = "features") -> Tensor:
     """Run the frozen backbone over uint8 `images` (N, H, W[, 3]) -> float32 features (N, D)."""
-    model = backbone.model.to(device).eval()
+    # channels_last: convolution kernels on CPU run several times faster in this layout.
+    model = backbone.model.to(device, memory_format=torch.channels_last).eval()
     out = torch.empty(len(images), backbone.feature_dim, dtype=torch.float32)
     start = time.perf_counter()
     with tqdm(total=len(images), desc=desc, unit="img", leave=False) as bar:
         for lo in range(0, len(images), batch_size):
             batch = preprocess(images[lo:lo + batch_size], backbone.input_size, backbone.mean, backbone.std)
-            out[lo:lo + len(batch)] = model(batch.to(device)).float().cpu()
+            batch = batch.to(device, memory_format=torch.channels_last)
+            out[lo:lo + len(batch)] = model(batch).float().cpu()
             bar.update(len(batch))
     rate = len(images) / max(time.perf_counter() - start, 1e-9)
     print(f"[workbench] extracted {desc}: {len(images)} images, {rate:.0f} images/s")

@@ -1,0 +1,140 @@
+"""AFL scaling on cached backbone features, every ratio measured in this one process.
+
+(a) AFL fit time / (one XᵀX of the same shape + one Cholesky solve)      goal ≤ 1.5
+(b) AFL fit time at K = 1000 clients / at K = 10                          goal ≤ 1.5
+(c) feature extraction images/s / a bare backbone forward loop on the
+    same images, already preprocessed                                      goal ≥ 0.9
+
+Times are medians over `--repeats`. "fit" is the method's own round time (client steps +
+server solve, `time/fit_s`); the whole `Trainer.fit` call (Lightning's loop included) is
+reported beside it.
+
+    python benchmarks/afl_scaling.py                       # Fashion-MNIST 60k/10k, 64 px
+    python benchmarks/afl_scaling.py --dataset mnist5k     # quick
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightning import Trainer  # noqa: E402
+
+from workbench.backbones import build_backbone  # noqa: E402
+from workbench.data import FederatedDataModule  # noqa: E402
+from workbench.data.datasets import load_dataset  # noqa: E402
+from workbench.data.features import extract_features, preprocess  # noqa: E402
+from workbench.linalg import class_sums  # noqa: E402
+from workbench.methods import AFL  # noqa: E402
+
+
+def median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def fit_afl(datamodule: FederatedDataModule) -> tuple[float, float]:
+    """-> (method fit seconds, whole Trainer.fit seconds)."""
+    method = AFL(gamma=1.0, gamma_out=1.0)
+    trainer = Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0)
+    start = time.perf_counter()
+    trainer.fit(method, datamodule=datamodule)
+    return method.fit_metrics["time/fit_s"], time.perf_counter() - start
+
+
+def median_fit(datamodule, repeats: int) -> tuple[float, float]:
+    runs = [fit_afl(datamodule) for _ in range(repeats)]
+    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+
+
+def bare_solve(features: torch.Tensor, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """The reference: float64 XᵀX, one Cholesky, one solve."""
+    x = features.double()
+    gram = x.T @ x
+    gram.diagonal().add_(1.0)
+    return torch.cholesky_solve(class_sums(x, labels, num_classes), torch.linalg.cholesky(gram))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataset", default="fashion_mnist")
+    parser.add_argument("--backbone", default="efficientnet_lite0")
+    parser.add_argument("--input_size", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--extract_images", type=int, default=4000, help="images timed in (c)")
+    parser.add_argument("--out", default="benchmarks/results/afl_scaling.md")
+    args = parser.parse_args()
+    common = dict(dataset=args.dataset, backbone=args.backbone, input_size=args.input_size, batch_size=8192)
+
+    # Features come from the cache (extracted on the first run).
+    data = {k: FederatedDataModule(num_clients=k, partition="dirichlet", alpha=0.5, min_partition_size=1, **common)
+            for k in (10, 1000)}
+    for dm in data.values():
+        dm.setup()
+    x, y = data[10].train_features, data[10].train_labels
+    n, d = x.shape
+
+    reference = median_time(lambda: bare_solve(x, y, data[10].num_classes), args.repeats)
+    fit_10, trainer_10 = median_fit(data[10], args.repeats)
+    fit_1000, trainer_1000 = median_fit(data[1000], args.repeats)
+
+    raw = load_dataset(args.dataset).train.images[: args.extract_images]
+    backbone = build_backbone(args.backbone, input_size=args.input_size)
+    backbone.model.to(memory_format=torch.channels_last)
+    ready = preprocess(raw, backbone.input_size, backbone.mean, backbone.std)
+    ready = ready.contiguous(memory_format=torch.channels_last)  # the layout extraction uses
+
+    @torch.inference_mode()
+    def bare_forward():
+        for lo in range(0, len(ready), 256):
+            backbone.model(ready[lo:lo + 256])
+
+    bare_forward()  # warm-up
+    ours_s = median_time(lambda: extract_features(backbone, raw, batch_size=256), args.repeats)
+    bare_s = median_time(bare_forward, args.repeats)
+
+    rows = [
+        ("(a) AFL fit / (XᵀX + Cholesky)", f"{fit_10:.3f} s / {reference:.3f} s", fit_10 / reference, "≤ 1.5"),
+        ("(a') whole Trainer.fit / (XᵀX + Cholesky)", f"{trainer_10:.3f} s / {reference:.3f} s",
+         trainer_10 / reference, "(info)"),
+        ("(b) AFL fit K=1000 / K=10", f"{fit_1000:.3f} s / {fit_10:.3f} s", fit_1000 / fit_10, "≤ 1.5"),
+        ("(b') whole Trainer.fit K=1000 / K=10", f"{trainer_1000:.3f} s / {trainer_10:.3f} s",
+         trainer_1000 / trainer_10, "(info)"),
+        ("(c) extraction img/s / bare forward img/s",
+         f"{len(raw) / ours_s:.0f} / {len(raw) / bare_s:.0f}", bare_s / ours_s, "≥ 0.9"),
+    ]
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() \
+        else platform.processor()
+    lines = [
+        f"Dataset {args.dataset} ({n} train samples), backbone {args.backbone} at {args.input_size} px, "
+        f"d = {d}; extraction timed on {len(raw)} images.",
+        f"Machine: {cpu}, {os.cpu_count()} cores, torch {torch.__version__} with {torch.get_num_threads()} "
+        f"threads; median of {args.repeats} repeats.",
+        "",
+        "| measure | times | ratio | goal |",
+        "|---|---|---|---|",
+        *[f"| {name} | {times} | {ratio:.2f} | {goal} |" for name, times, ratio, goal in rows],
+    ]
+    report = "\n".join(lines)
+    print(report)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(report + "\n")
+
+
+if __name__ == "__main__":
+    main()
