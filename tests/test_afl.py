@@ -77,7 +77,8 @@ def test_aggregate_is_the_sum_of_each_clients_own_upload(fit_method):
     for k in range(dm.num_clients):
         mine = dm.train_client_ids == k
         upload = method.client_step(ClientBatch(dm.train_features[mine], dm.train_labels[mine],
-                                                dm.train_client_ids[mine], new_clients=1))
+                                                dm.train_client_ids[mine], mine.nonzero().squeeze(1),
+                                                new_clients=1))
         assert torch.allclose(upload["gram"], upload["gram"].T)  # each client's G_k + γI
         alone = {name: alone[name] + upload[name] for name in alone}
 

@@ -224,7 +224,8 @@ class FederatedDataModule(LightningDataModule):
     # ---- loaders ----------------------------------------------------------------------------
     def train_dataloader(self) -> DataLoader:
         return DataLoader(FeatureBatches(self.args.batch_size, features=self.train_features,
-                                         labels=self.train_labels, client_ids=self.train_client_ids),
+                                         labels=self.train_labels, client_ids=self.train_client_ids,
+                                         sample_index=torch.arange(len(self.train_labels))),
                           batch_size=None)
 
     def val_dataloader(self) -> DataLoader | list:

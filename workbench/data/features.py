@@ -24,18 +24,20 @@ CACHE_FORMAT = 1  # bump when the file layout or the preprocessing changes
 
 
 def preprocess(images: Tensor, input_size: int, mean: tuple, std: tuple) -> Tensor:
-    """uint8 images (B, H, W) or (B, H, W, 3) -> normalized float (B, 3, S, S).
+    """uint8 images (B, H, W) or (B, H, W, 3) -> normalized float (B, 3, S, S), channels_last.
 
-    Grayscale is repeated to three channels; resizing is bilinear with antialiasing.
+    Grayscale is repeated to three channels; resizing is bilinear with antialiasing. The work
+    is ordered to be cheap beside the backbone: resize before expanding grayscale, and scale
+    and normalize in one broadcast that writes the channels_last layout the backbone reads.
     """
-    x = images.float().div_(255)
-    x = x.unsqueeze(1).expand(-1, 3, -1, -1) if x.ndim == 3 else x.permute(0, 3, 1, 2)
-    if x.shape[-2:] != (input_size, input_size):
-        x = F.interpolate(x, size=(input_size, input_size), mode="bilinear",
-                          antialias=True, align_corners=False)
-    mean_t = torch.tensor(mean, dtype=x.dtype).view(1, 3, 1, 1)
-    std_t = torch.tensor(std, dtype=x.dtype).view(1, 3, 1, 1)
-    return (x - mean_t) / std_t
+    x = images.float()
+    x = x.unsqueeze(-1) if x.ndim == 3 else x  # (B, H, W, c), c = 1 or 3
+    if x.shape[1:3] != (input_size, input_size):
+        x = F.interpolate(x.permute(0, 3, 1, 2), size=(input_size, input_size), mode="bilinear",
+                          antialias=True, align_corners=False).permute(0, 2, 3, 1)
+    std_t = torch.tensor(std, dtype=x.dtype)
+    x = x * (1 / (255 * std_t)) - torch.tensor(mean, dtype=x.dtype) / std_t  # (B, S, S, 3)
+    return x.permute(0, 3, 1, 2)
 
 
 @torch.inference_mode()

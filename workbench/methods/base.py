@@ -31,6 +31,8 @@ class ClientBatch:
     """Cached features of several clients.
 
     features: (n, d) float32; labels: (n,) int64; client_ids: (n,) int64 in [0, K).
+    sample_index: (n,) int64 positions in the training set, for methods that keep per-sample
+        state across rounds (batches are the same in every round).
     new_clients: how many clients appear in this batch for the first time this round, so a
         per-client term of an upload (e.g. AFL's γI) is added exactly once per client.
     """
@@ -38,6 +40,7 @@ class ClientBatch:
     features: Tensor
     labels: Tensor
     client_ids: Tensor
+    sample_index: Tensor
     new_clients: int
 
 
@@ -112,7 +115,8 @@ class FederatedMethod(LightningModule):
         present = torch.unique(client_ids)
         new_clients = int((~self._seen[present]).sum())
         self._seen[present] = True
-        uploads = self.client_step(ClientBatch(batch["features"], batch["labels"], client_ids, new_clients))
+        uploads = self.client_step(ClientBatch(batch["features"], batch["labels"], client_ids,
+                                               batch["sample_index"], new_clients))
         for name, value in uploads.items():
             if name in self._uploads:
                 self._uploads[name] += value
