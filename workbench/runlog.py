@@ -37,7 +37,8 @@ def make_loggers(method, datamodule, *, run_dir: str, run_name: str | None, wand
 
         info = datamodule.describe()
         loggers.append(WandbLogger(
-            project=wandb_project, name=name, save_dir=loggers[0].log_dir, mode=mode,
+            # Beside the versions, not inside one: the CSV logger wants its version folder empty.
+            project=wandb_project, name=name, save_dir=str(Path(run_dir) / name), mode=mode,
             group=type(method).__name__,
             tags=[info["dataset"], info["backbone"], info["partition"], f"K={info['num_clients']}"]))
     return loggers
