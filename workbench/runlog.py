@@ -1,6 +1,7 @@
 """Where a run's numbers go: a CSV log always, Weights & Biases when wanted, a summary on screen."""
 from __future__ import annotations
 
+import csv
 import os
 import re
 from pathlib import Path
@@ -44,6 +45,22 @@ def make_loggers(method, datamodule, *, run_dir: str, run_name: str | None, wand
     return loggers
 
 
+def save_per_client_table(table: dict[str, list], trainer) -> None:
+    """Per-client accuracies: `per_client_acc.csv` in the run folder and a W&B table."""
+    columns = list(table)
+    rows = list(zip(*table.values()))
+    if trainer.log_dir is not None and trainer.loggers:
+        path = Path(trainer.log_dir) / "per_client_acc.csv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(columns)
+            writer.writerows(rows)
+    for logger in trainer.loggers:
+        if hasattr(logger, "log_table"):  # WandbLogger
+            logger.log_table(key="test/per_client_acc", columns=columns, data=[list(r) for r in rows])
+
+
 def _megabytes(value: float) -> str:
     return f"{value / 1e6:,.3f} MB"
 
@@ -55,6 +72,8 @@ def print_summary(trainer, method, checkpoint: Path | None = None) -> None:
     lines = [
         f"method            {type(method).__name__}",
         f"test accuracy     {metrics.get('test/acc', float('nan')):.4f}",
+        *([f"local accuracy    {metrics['test/acc_local_mean']:.4f} mean over clients, "
+           f"{metrics['test/acc_local_min']:.4f} worst"] if "test/acc_local_mean" in metrics else []),
         f"rounds            {method.round}",
         f"bytes up          {_megabytes(metrics.get('comm/bytes_up', 0))} in all, "
         f"{_megabytes(metrics.get('comm/bytes_up_per_client', 0))} per client",

@@ -47,14 +47,22 @@ class SyntheticBlobs:
         return (*draw(self.train_size), *draw(self.test_size))
 
 
-def stratified_holdout(labels: Tensor, fraction: float, seed: int) -> Tensor:
-    """A seeded boolean mask (n,) holding out `fraction` of every class (at least one sample)."""
-    gen = torch.Generator().manual_seed(seed)
+def stratified_holdout(labels: Tensor, fraction: float, seed: int, groups: Tensor | None = None) -> Tensor:
+    """A seeded boolean mask (n,) holding out round(fraction · size) of every class of every group.
+
+    groups: (n,) int64, e.g. client ids, so that each client's share is split by class; None
+        means one group. Vectorized: a random order, stably sorted by (group, class), ranks
+        each sample inside its stratum.
+    """
+    strata = labels if groups is None else groups * (int(labels.max()) + 1) + labels
+    shuffled = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
+    order = shuffled[torch.argsort(strata[shuffled], stable=True)]
+    sizes = torch.bincount(strata)
+    first = torch.cumsum(sizes, 0) - sizes
+    sorted_strata = strata[order]
+    rank = torch.arange(len(labels)) - first[sorted_strata]
     mask = torch.zeros(len(labels), dtype=torch.bool)
-    for label in labels.unique():
-        members = (labels == label).nonzero().squeeze(1)
-        count = max(1, round(fraction * len(members)))
-        mask[members[torch.randperm(len(members), generator=gen)[:count]]] = True
+    mask[order] = rank < torch.round(fraction * sizes[sorted_strata])
     return mask
 
 
@@ -94,6 +102,10 @@ class FederatedDataModule(LightningDataModule):
         partition: `iid`, `dirichlet`, `shard` or `pathological`; the parameters below that
             the scheme uses follow Flower datasets' names.
         seed: seed of the partition and of the validation hold-out.
+        personalized: the personalized protocol: after partitioning, each client's share is
+            split (stratified by class, seeded) into its own train and local test data; test
+            batches then also cover every client's local test split (`client_ids` set).
+        local_test_fraction: the share of each client's data that becomes its local test split.
         val_fraction: share of the training pool held out (stratified, before partitioning) as
             a validation split for tuning; 0 = none, and `validate` then has nothing to run.
         batch_size: samples per training/test batch of cached features.
@@ -123,6 +135,8 @@ class FederatedDataModule(LightningDataModule):
         shard_size: int | None = None,
         num_classes_per_partition: int = 2,
         seed: int = 0,
+        personalized: bool = False,
+        local_test_fraction: float = 0.25,
         val_fraction: float = 0.0,
         batch_size: int = 4096,
         synthetic: SyntheticBlobs = SyntheticBlobs(),
@@ -135,6 +149,8 @@ class FederatedDataModule(LightningDataModule):
                              "small values (0.05) mean strong label skew, large ones (100) near-iid")
         if num_clients < 1:
             raise ValueError(f"data.num_clients must be ≥ 1, got {num_clients}")
+        if not 0 < local_test_fraction < 1:
+            raise ValueError(f"data.local_test_fraction must be in (0, 1), got {local_test_fraction}")
         if not 0 <= val_fraction < 1:
             raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
         if batch_size < 1 or extract_batch_size < 1:
@@ -189,10 +205,18 @@ class FederatedDataModule(LightningDataModule):
             x_train, y_train = x_train[~val_mask], y_train[~val_mask]
         client_ids = self._partition(y_train)
         on_a_client = client_ids >= 0  # shard and pathological partitions may leave samples out
-        order = torch.argsort(client_ids[on_a_client], stable=True)
-        self.train_features = x_train[on_a_client][order]
-        self.train_labels = y_train[on_a_client][order]
-        self.train_client_ids = client_ids[on_a_client][order]
+        x_train, y_train, client_ids = x_train[on_a_client], y_train[on_a_client], client_ids[on_a_client]
+        if self.args.personalized:
+            local_test = stratified_holdout(y_train, self.args.local_test_fraction, self.args.seed,
+                                            groups=client_ids)
+            order = torch.argsort(client_ids[local_test], stable=True)
+            self.local_test_features = x_train[local_test][order]
+            self.local_test_labels = y_train[local_test][order]
+            self.local_test_client_ids = client_ids[local_test][order]
+            x_train, y_train, client_ids = x_train[~local_test], y_train[~local_test], client_ids[~local_test]
+        order = torch.argsort(client_ids, stable=True)
+        self.train_features, self.train_labels, self.train_client_ids = (
+            x_train[order], y_train[order], client_ids[order])
         self.test_features, self.test_labels = x_test, y_test
         self._ready = True
 
@@ -234,6 +258,13 @@ class FederatedDataModule(LightningDataModule):
         return DataLoader(FeatureBatches(self.args.batch_size, features=self.val_features,
                                          labels=self.val_labels), batch_size=None)
 
-    def test_dataloader(self) -> DataLoader:
-        return DataLoader(FeatureBatches(self.args.batch_size, features=self.test_features,
-                                         labels=self.test_labels), batch_size=None)
+    def test_dataloader(self) -> DataLoader | list[DataLoader]:
+        """The global test split; with `personalized`, also every client's local test split."""
+        global_test = DataLoader(FeatureBatches(self.args.batch_size, features=self.test_features,
+                                                labels=self.test_labels), batch_size=None)
+        if not self.args.personalized:
+            return global_test
+        local_test = DataLoader(FeatureBatches(self.args.batch_size, features=self.local_test_features,
+                                               labels=self.local_test_labels,
+                                               client_ids=self.local_test_client_ids), batch_size=None)
+        return [global_test, local_test]

@@ -24,6 +24,7 @@ from torch import Tensor
 from torchmetrics.classification import MulticlassAccuracy
 
 from workbench.federation import messages_bytes
+from workbench.runlog import save_per_client_table
 
 
 @dataclass(frozen=True)
@@ -159,17 +160,50 @@ class FederatedMethod(LightningModule):
         if self.fitted:
             self.trainer.should_stop = True
 
-    def _evaluate(self, batch: dict[str, Tensor], metric: MulticlassAccuracy, key: str) -> None:
+    def predict_clients(self, features: Tensor, client_ids: Tensor) -> Tensor:
+        """Logits of each sample under its own client's model: (n, d), (n,) -> (n, C).
+
+        A global method serves every client with one model; personalized methods override this.
+        """
+        return self(features)
+
+    def _require_fitted(self) -> None:
         if self.round == 0:
             raise RuntimeError(
                 "the model is not fitted: run `fit` first, or pass `--ckpt_path` of a fitted run "
                 "to `validate`/`test`")
+
+    def _evaluate(self, batch: dict[str, Tensor], metric: MulticlassAccuracy, key: str) -> None:
+        self._require_fitted()
         metric(self(batch["features"]).argmax(dim=1), batch["labels"])
-        self.log(key, metric, on_step=False, on_epoch=True)
+        self.log(key, metric, on_step=False, on_epoch=True, add_dataloader_idx=False)
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         if self.round > 0:  # the model of the rounds done so far (e.g. a depth of DeepAFL)
             self._evaluate(batch, self.val_acc, "val/acc")
 
-    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        self._evaluate(batch, self.test_acc, "test/acc")
+    def on_test_epoch_start(self) -> None:
+        self._local_correct = torch.zeros(self.num_clients, dtype=torch.long, device=self.device)
+        self._local_total = torch.zeros_like(self._local_correct)
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        if "client_ids" not in batch:  # the global test split
+            self._evaluate(batch, self.test_acc, "test/acc")
+            return
+        self._require_fitted()  # a client's local test split (personalized protocol)
+        client_ids = batch["client_ids"]
+        correct = self.predict_clients(batch["features"], client_ids).argmax(dim=1).eq(batch["labels"])
+        self._local_correct.index_add_(0, client_ids, correct.long())
+        self._local_total.index_add_(0, client_ids, torch.ones_like(client_ids))
+
+    def on_test_epoch_end(self) -> None:
+        tested = self._local_total > 0
+        if not tested.any():
+            return
+        accuracy = self._local_correct[tested].double() / self._local_total[tested]
+        self.log_dict({"test/acc_local_mean": accuracy.mean(),
+                       "test/acc_local_std": accuracy.std(correction=0),
+                       "test/acc_local_min": accuracy.min()}, add_dataloader_idx=False)
+        self.local_accuracy = {"client": tested.nonzero().squeeze(1).tolist(), "acc": accuracy.tolist(),
+                               "num_test": self._local_total[tested].tolist()}
+        save_per_client_table(self.local_accuracy, self.trainer)
