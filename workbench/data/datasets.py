@@ -373,34 +373,24 @@ def _load_torchvision(
     )
 
 
-@register_dataset("mnist")
-def _load_mnist(data_dir: Path, download: bool) -> ImageDataset:
-    """MNIST, 60000 train / 10000 test images of (28, 28)."""
-    from torchvision.datasets import MNIST
+def _register_torchvision(name: str, class_name: str, description: str) -> None:
+    """Register a torchvision dataset whose `.data`/`.targets` already have the layout we use."""
 
-    return _load_torchvision(
-        "mnist", data_dir, lambda train: MNIST(str(data_dir), train=train, download=download)
-    )
+    def load(data_dir: Path, download: bool) -> ImageDataset:
+        import torchvision.datasets
 
+        dataset_class = getattr(torchvision.datasets, class_name)
+        return _load_torchvision(
+            name, data_dir, lambda train: dataset_class(str(data_dir), train=train, download=download))
 
-@register_dataset("cifar10")
-def _load_cifar10(data_dir: Path, download: bool) -> ImageDataset:
-    """CIFAR-10, 50000 train / 10000 test RGB images of (32, 32, 3)."""
-    from torchvision.datasets import CIFAR10
-
-    return _load_torchvision(
-        "cifar10", data_dir, lambda train: CIFAR10(str(data_dir), train=train, download=download)
-    )
+    load.__doc__ = description
+    register_dataset(name)(load)
 
 
-@register_dataset("cifar100")
-def _load_cifar100(data_dir: Path, download: bool) -> ImageDataset:
-    """CIFAR-100 (fine labels), 50000 train / 10000 test RGB images of (32, 32, 3)."""
-    from torchvision.datasets import CIFAR100
-
-    return _load_torchvision(
-        "cifar100", data_dir, lambda train: CIFAR100(str(data_dir), train=train, download=download)
-    )
+_register_torchvision("mnist", "MNIST", "MNIST, 60000 train / 10000 test images of (28, 28).")
+_register_torchvision("cifar10", "CIFAR10", "CIFAR-10, 50000 train / 10000 test RGB images of (32, 32, 3).")
+_register_torchvision("cifar100", "CIFAR100",
+                      "CIFAR-100 (fine labels), 50000 train / 10000 test RGB images of (32, 32, 3).")
 
 
 @register_dataset("svhn")
