@@ -1,5 +1,6 @@
 """Federated methods. Each one is a `FederatedMethod` in a file of its own."""
 from workbench.methods.afl import AFL
 from workbench.methods.base import ClientBatch, FederatedMethod
+from workbench.methods.deepafl import DeepAFL
 
-__all__ = ["AFL", "ClientBatch", "FederatedMethod"]
+__all__ = ["AFL", "DeepAFL", "ClientBatch", "FederatedMethod"]

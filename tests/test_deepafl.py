@@ -1,0 +1,231 @@
+"""DeepAFL: the closed-form layers, partition invariance, non-increasing risk, bytes and rounds."""
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from lightning import Trainer
+
+from workbench.cli import main
+from workbench.data import FederatedDataModule, SyntheticBlobs
+from workbench.federation.messages import SEED_BYTES
+from workbench.methods import DeepAFL
+from workbench.methods.deepafl import random_layer, solve_omega
+
+ROOT = Path(__file__).resolve().parents[1]
+# Overlapping blobs, so that the residual blocks have something left to fit
+BLOBS = SyntheticBlobs(num_classes=4, dim=10, train_size=600, test_size=200, separation=2.5, seed=5)
+SMALL = {"hidden_dim": 12, "block_dim": 16}
+
+
+def data(batch_size: int = 4096, **partition) -> FederatedDataModule:
+    dm = FederatedDataModule(dataset="synthetic", synthetic=BLOBS, batch_size=batch_size,
+                             min_partition_size=1, **partition)
+    dm.setup()
+    return dm
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.linalg.norm(a - b) / torch.linalg.norm(b))
+
+
+def one_hot(labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.one_hot(labels, BLOBS.num_classes).double()
+
+
+def test_omega_solves_its_normal_equation():
+    gen = torch.Generator().manual_seed(0)
+    n, f, h, classes, gamma_s = 300, 24, 16, 5, 0.05
+    hidden = torch.randn(n, f, generator=gen, dtype=torch.float64).tanh()
+    residual = torch.randn(n, classes, generator=gen, dtype=torch.float64)
+    classifier = torch.randn(h, classes, generator=gen, dtype=torch.float64)  # WWᵀ has rank C < h
+    gram, cross = hidden.T @ hidden, hidden.T @ residual
+    omega = solve_omega(gram, cross, classifier, gamma_s)
+    assert omega.shape == (f, h)
+    lhs = gram @ omega @ classifier @ classifier.T + gamma_s * omega
+    rhs = cross @ classifier.T
+    assert relative_error(lhs, rhs) <= 1e-8
+
+
+def reference_fit(dm: FederatedDataModule, num_layers: int, hidden_dim: int, block_dim: int,
+                  gamma: float, gamma_s: float, seed: int) -> tuple[list, list]:
+    """Centralized DeepAFL on the pooled data, Ω by the vectorized (Kronecker) normal equations."""
+    x, y = dm.train_features.double(), one_hot(dm.train_labels)
+    weight, bias = random_layer(seed, 0, x.shape[1], hidden_dim)
+    phi = torch.tanh(x @ weight + bias)
+
+    def ridge(phi):
+        regularizer = gamma * torch.eye(hidden_dim, dtype=phi.dtype)
+        return torch.linalg.solve(phi.T @ phi + regularizer, phi.T @ y)
+
+    classifiers, omegas = [ridge(phi)], []
+    for layer in range(1, num_layers + 1):
+        weight, bias = random_layer(seed, layer, hidden_dim, block_dim)
+        hidden = torch.nn.functional.gelu(phi @ weight + bias)
+        residual = y - phi @ classifiers[-1]
+        # vec(F Ω W) = (Wᵀ ⊗ F) vec(Ω), vec stacking columns
+        design = torch.kron(classifiers[-1].T, hidden)
+        normal = design.T @ design + gamma_s * torch.eye(design.shape[1], dtype=design.dtype)
+        vec_omega = torch.linalg.solve(normal, design.T @ residual.T.reshape(-1))
+        omegas.append(vec_omega.reshape(hidden_dim, block_dim).T)
+        phi = phi + hidden @ omegas[-1]
+        classifiers.append(ridge(phi))
+    return classifiers, omegas
+
+
+def test_federated_model_is_the_centralized_one_for_any_partition(fit_method):
+    settings = dict(num_layers=3, gamma=1.0, gamma_s=0.05, seed=11, **SMALL)
+    classifiers, omegas = reference_fit(data(), **settings)
+    for partition in ({"partition": "iid", "num_clients": 3, "batch_size": 250},
+                      {"partition": "dirichlet", "alpha": 0.1, "num_clients": 20, "batch_size": 64},
+                      {"partition": "iid", "num_clients": 1}):
+        method = DeepAFL(**settings)
+        fit_method(method, data(**partition))
+        for t, classifier in enumerate(classifiers):
+            assert relative_error(method.classifier[t], classifier) <= 1e-8
+        for t, omega in enumerate(omegas):
+            assert relative_error(method.omega[t], omega) <= 1e-8
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu", "tanh", "sigmoid"])
+def test_training_risk_never_increases_with_depth(fit_method, activation):
+    """J_t = ‖Y − Φ_t W_t‖² + γ‖W_t‖² drops by at least γ_s‖Ω_t‖² per layer."""
+    gamma, gamma_s = 0.5, 0.05
+    dm = data(partition="dirichlet", alpha=0.5, num_clients=8)
+    method = DeepAFL(num_layers=4, activation=activation, gamma=gamma, gamma_s=gamma_s, **SMALL)
+    fit_method(method, dm)
+    y = one_hot(dm.train_labels)
+    risks = []
+    for t in range(method.num_layers + 1):
+        phi, classifier = method.features_at_depth(dm.train_features, t), method.classifier[t]
+        risks.append(float(((y - phi @ classifier) ** 2).sum() + gamma * (classifier ** 2).sum()))
+    for t in range(1, len(risks)):
+        gain = gamma_s * float((method.omega[t - 1] ** 2).sum())
+        assert risks[t] + gain <= risks[t - 1] * (1 + 1e-12)
+    assert risks[-1] < risks[0]
+
+
+def test_random_layers_come_from_the_seed_alone():
+    dm = data(partition="iid", num_clients=2)
+
+    def built(seed: int, num_layers: int = 3) -> DeepAFL:
+        method = DeepAFL(num_layers=num_layers, seed=seed, **SMALL)
+        method.setup_problem(dm.feature_dim, dm.num_classes, dm.num_clients)
+        return method
+
+    first, again, other, deeper = built(7), built(7), built(8), built(7, num_layers=5)
+    for name in ("input_weight", "input_bias", "block_weight", "block_bias"):
+        assert torch.equal(getattr(first, name), getattr(again, name))
+        assert not torch.allclose(getattr(first, name), getattr(other, name))
+    # each layer is reproducible on its own: a deeper model shares the first layers
+    assert torch.equal(deeper.block_weight[:3], first.block_weight)
+    weight, bias = random_layer(7, 2, SMALL["hidden_dim"], SMALL["block_dim"])
+    assert torch.equal(first.block_weight[1], weight) and torch.equal(first.block_bias[1], bias)
+
+
+def test_random_layers_follow_the_default_linear_init():
+    """nn.Linear's default: weight and bias uniform on ±1/√fan_in."""
+    fan_in, fan_out = 400, 500
+    weight, bias = random_layer(0, 1, fan_in, fan_out)
+    bound = fan_in ** -0.5
+    assert weight.shape == (fan_in, fan_out) and bias.shape == (fan_out,)
+    assert weight.abs().max() <= bound and bias.abs().max() <= bound
+    assert weight.abs().max() > 0.99 * bound
+    assert abs(float(weight.std()) - bound / math.sqrt(3)) < 0.01 * bound
+    assert abs(float(weight.mean())) < 0.01 * bound
+
+
+def test_bytes_are_the_analytic_count_and_nothing_random_is_sent(fit_method):
+    num_clients, num_layers = 4, 2
+    h, f, classes = SMALL["hidden_dim"], SMALL["block_dim"], BLOBS.num_classes
+    method = DeepAFL(num_layers=num_layers, **SMALL)
+    fit_method(method, data(partition="iid", num_clients=num_clients, batch_size=100))
+    omega_round = f * (f + 1) // 2 + f * classes   # packed FᵀF and FᵀR
+    classifier_round = h * (h + 1) // 2 + h * classes  # packed ΦᵀΦ and ΦᵀY
+    per_client = (num_layers * omega_round + (num_layers + 1) * classifier_round) * 8
+    assert method.fit_metrics["comm/bytes_up_per_client"] == per_client
+    assert method.fit_metrics["comm/bytes_up"] == per_client * num_clients
+    down = SEED_BYTES + (num_layers + 1) * h * classes * 8 + num_layers * f * h * 8
+    assert method.fit_metrics["comm/bytes_down"] == down * num_clients
+
+
+def test_fit_runs_2t_plus_1_rounds_and_reports_every_depth(fit_method):
+    dm = data(partition="dirichlet", alpha=0.5, num_clients=5, batch_size=128)
+    method = DeepAFL(num_layers=3, **SMALL)
+    assert method.num_rounds == 7
+    trainer = Trainer(max_epochs=method.num_rounds + 3, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(method, datamodule=dm)
+    assert trainer.current_epoch == method.num_rounds and method.round == 7 and method.depth == 3
+    assert len(method.depth_accuracy) == 4
+    # the per-depth accuracy, computed one layer at a time, is the accuracy of the model at that depth
+    test = trainer.test(method, datamodule=dm, verbose=False)[0]["test/acc"]
+    assert method.depth_accuracy[-1] == pytest.approx(test, abs=1e-6)
+    first = (method.features_at_depth(dm.test_features, 0) @ method.classifier[0]).argmax(1)
+    assert method.depth_accuracy[0] == pytest.approx(float((first == dm.test_labels).double().mean()))
+
+
+def test_a_resumed_fit_gives_the_same_model(fit_method, tmp_path):
+    """Stopping after 3 rounds and resuming from the checkpoint rebuilds the per-sample features."""
+    dm = data(partition="dirichlet", alpha=0.5, num_clients=5, batch_size=128)
+    whole = DeepAFL(num_layers=3, **SMALL)
+    fit_method(whole, dm)
+
+    def trainer(rounds: int) -> Trainer:
+        return Trainer(max_epochs=rounds, logger=False, enable_checkpointing=False,
+                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+
+    first_part = trainer(3)
+    part = DeepAFL(num_layers=3, **SMALL)
+    first_part.fit(part, datamodule=dm)
+    assert part.round == 3
+    first_part.save_checkpoint(tmp_path / "part.ckpt")
+    resumed = DeepAFL(num_layers=3, **SMALL)
+    # the checkpoint holds the data module's hyperparameters (a SyntheticBlobs): our own file
+    trainer(resumed.num_rounds).fit(resumed, datamodule=dm, ckpt_path=tmp_path / "part.ckpt",
+                                    weights_only=False)
+    assert resumed.fitted
+    assert relative_error(resumed.classifier, whole.classifier) <= 1e-10
+    assert relative_error(resumed.omega, whole.omega) <= 1e-10
+
+
+def test_cli_logs_every_depth_and_the_checkpoint_restores_the_model(tmp_path):
+    common = ["--model=DeepAFL", "--model.num_layers=2", "--model.hidden_dim=32",
+              "--model.block_dim=24",
+              "--data=FederatedDataModule", "--data.dataset=synthetic", "--data.num_clients=6",
+              "--data.partition=iid", "--trainer.enable_progress_bar=false"]
+    cli = main(["fit", *common, f"--run_dir={tmp_path}"])
+    assert cli.model.fitted and cli.model.round == 5
+    run = max(tmp_path.glob("*/version_*"), key=lambda p: p.stat().st_mtime)
+    rows = list(csv.DictReader((run / "metrics.csv").open()))
+    depth_rows = [row for row in rows if row.get("depth/test_acc")]
+    assert [int(row["step"]) for row in depth_rows] == [0, 1, 2]
+    logged = [float(row["depth/test_acc"]) for row in depth_rows]
+    assert logged == pytest.approx(cli.model.depth_accuracy)
+    fitted_acc = float(cli.trainer.callback_metrics["test/acc"])
+    assert fitted_acc > 0.9
+    tested = main(["test", *common, f"--run_dir={tmp_path / 'eval'}",
+                   f"--ckpt_path={run / 'model.ckpt'}"])
+    assert float(tested.trainer.callback_metrics["test/acc"]) == pytest.approx(fitted_acc)
+
+
+@pytest.mark.parametrize("config", ["deepafl_demo.yaml", "deepafl_fashion.yaml"])
+def test_configs_parse(config, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--config", str(ROOT / "configs" / config), "--print_config"])
+    assert done.value.code == 0
+    assert "workbench.methods.DeepAFL" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"num_layers": -1}, "num_layers"), ({"hidden_dim": 0}, "hidden_dim"),
+    ({"block_dim": 0}, "block_dim"),
+    ({"activation": "swish"}, "activation"), ({"gamma": -1.0}, "gamma"), ({"gamma_s": 0.0}, "gamma_s"),
+    ({"seed": -3}, "seed"), ({"dtype": "float16"}, "dtype"),
+])
+def test_bad_hyperparameters_are_rejected(bad, match):
+    with pytest.raises(ValueError, match=match):
+        DeepAFL(**bad)
