@@ -2,5 +2,6 @@
 from workbench.methods.afl import AFL
 from workbench.methods.base import ClientBatch, FederatedMethod
 from workbench.methods.deepafl import DeepAFL
+from workbench.methods.ghofl import GHOFL
 
-__all__ = ["AFL", "DeepAFL", "ClientBatch", "FederatedMethod"]
+__all__ = ["AFL", "DeepAFL", "GHOFL", "ClientBatch", "FederatedMethod"]
