@@ -1,5 +1,7 @@
 """Command line: `python -m workbench fit|validate|test --config configs/X.yaml`.
 
+(`sweep` and `compare` are dispatched before this module is imported: see `__main__.py`.)
+
 The method (`model:`) and the data module (`data:`) are chosen by `class_path` (a short class
 name such as `AFL` works) with their `init_args`. A fit also tests the fitted model and prints a
 summary. Logs go to `<run_dir>/<run_name>/version_N/` as CSV, and to Weights & Biases (offline
@@ -11,6 +13,7 @@ import logging
 import os
 import warnings
 from pathlib import Path
+
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from workbench.data import FederatedDataModule
