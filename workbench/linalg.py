@@ -47,3 +47,147 @@ def solve_spd(gram: Tensor, rhs: Tensor, *, what: str = "Gram matrix") -> Tensor
 def packed_symmetric_numel(side: int) -> int:
     """Numbers needed to send a symmetric `side × side` matrix as its upper triangle."""
     return side * (side + 1) // 2
+
+
+def multi_hot_gram(active: Tensor, size: int, *, dtype: torch.dtype = torch.float64,
+                   chunk_elements: int = 1 << 21) -> Tensor:
+    """`ΦᵀΦ` of multi-hot rows given by their active columns, never building Φ: (n, m) -> (size, size).
+
+    Row i of Φ ∈ {0,1}^{n×size} holds ones at the m columns `active[i]` (a repeated column counts
+    twice). `(ΦᵀΦ)_ab` counts the rows active at both a and b: the diagonal is the histogram of
+    `active`, and each pair of slots j < l of a row adds one at `(active[i, j], active[i, l])` and
+    at its mirror. That is O(n·m²) scatter-adds instead of the O(n·size²) dense one-hot matmul.
+    Fastest when slot j keeps its columns in a narrow range (slot j in block j of the columns):
+    the pairs of one slot then land in a few rows of the table, which stay in cache.
+    """
+    n, m = active.shape
+    pair_counts = torch.zeros(size * size, dtype=dtype, device=active.device)
+    one = torch.ones((), dtype=dtype, device=active.device)
+    slots = active.T.contiguous()  # (m, n): the pairs of one slot are formed and counted together
+    rows_per_chunk = max(1, chunk_elements // max(1, m - 1))
+    keys = torch.empty(min(n, rows_per_chunk) * max(1, m - 1), dtype=torch.long, device=active.device)
+    for lo in range(0, n, rows_per_chunk):
+        chunk = slots[:, lo:lo + rows_per_chunk]
+        for j in range(m - 1):  # one slot at a time keeps the scatter local (see above)
+            pair_keys = keys[:(m - 1 - j) * chunk.shape[1]]
+            torch.add(chunk[j + 1:], chunk[j] * size, out=pair_keys.view(m - 1 - j, chunk.shape[1]))
+            pair_counts.index_add_(0, pair_keys, one.expand(pair_keys.numel()))
+    gram = _add_own_transpose_(pair_counts.view(size, size))  # the mirror of every pair
+    gram.diagonal().add_(torch.bincount(active.flatten(), minlength=size).to(dtype))
+    return gram
+
+
+def _add_own_transpose_(matrix: Tensor, tile: int = 128) -> Tensor:
+    """`matrix += matrixᵀ` in place for a square matrix, one pair of tiles at a time.
+
+    A whole-matrix transposed read misses the cache on every element and a full-size temporary
+    costs page faults; tiles of 128 × 128 stay in cache and need no large temporary.
+    """
+    side = matrix.shape[0]
+    for i in range(0, side, tile):
+        diagonal = matrix[i:i + tile, i:i + tile]
+        diagonal.add_(diagonal.T.clone())
+        for j in range(i + tile, side, tile):
+            upper, lower = matrix[i:i + tile, j:j + tile], matrix[j:j + tile, i:i + tile]
+            upper.add_(lower.T)
+            lower.copy_(upper.T)
+    return matrix
+
+
+def multi_hot_cross(active: Tensor, values: Tensor, size: int) -> Tensor:
+    """`Φᵀ M` for the multi-hot Φ of `multi_hot_gram`, never building Φ: (n, m), (n, p) -> (size, p).
+
+    One index_add per slot: O(n·m·p) instead of the O(n·size·p) dense matmul.
+    """
+    product = values.new_zeros(size, values.shape[1])
+    for slot in active.T:
+        product.index_add_(0, slot, values)
+    return product
+
+
+def _padded_group_chunks(groups: Tensor, num_groups: int, group_bytes, max_chunk_bytes: int):
+    """Chunks of the non-empty groups, smallest first, each zero-padded to its largest group.
+
+    groups: (n,) int64 in [0, K). group_bytes(size) gives the bytes one group of `size` rows
+    costs once padded to `size` (sizes as an int64 tensor). A chunk holds groups whose sizes are
+    within a factor 2^(1/4) of each other (so padding adds under 19% of rows), as many as fit in
+    `max_chunk_bytes` (at least one).
+    Yields (chunk (m,) group ids, rows (m, s) positions into `groups`, valid (m, s) bool).
+    """
+    counts = torch.bincount(groups, minlength=num_groups)
+    by_group = torch.argsort(groups, stable=True)  # row positions, grouped
+    starts = torch.cumsum(counts, 0) - counts
+    by_size = torch.argsort(counts, stable=True)
+    by_size = by_size[counts[by_size] > 0]
+    sizes = counts[by_size]
+    size_class = torch.floor(4 * torch.log2(sizes.double())).long()  # nondecreasing
+    chunk_cost = group_bytes(sizes)  # nondecreasing, as the sizes are
+    first = 0
+    while first < len(by_size):
+        members = torch.arange(1, len(by_size) - first + 1, device=groups.device)
+        # (members) × (cost of the largest member) grows with the chunk: the fitting ones are a prefix
+        fitting = (members * chunk_cost[first:] <= max_chunk_bytes) & (size_class[first:] == size_class[first])
+        count = max(1, int(fitting.sum()))
+        chunk = by_size[first:first + count]
+        offsets = torch.arange(int(counts[chunk[-1]]), device=groups.device)
+        valid = offsets < counts[chunk, None]
+        rows = by_group[torch.where(valid, starts[chunk, None] + offsets, 0)]
+        yield chunk, rows, valid
+        first += count
+
+
+def grouped_ridge(features: Tensor, targets: Tensor, groups: Tensor, num_groups: int, regularization: float,
+                  *, form: str = "auto", max_chunk_bytes: int = 2 ** 28) -> Tensor:
+    """Ridge regression of every group on its own rows: (n, d), (n, C), (n,) -> (K, d, C).
+
+        W_k = (X_kᵀX_k + βI)⁻¹ X_kᵀT_k              primal: a d × d solve
+            = X_kᵀ(X_kX_kᵀ + βI)⁻¹ T_k              dual (push-through identity): an n_k × n_k solve
+
+    Both are exact for β > 0; `form="auto"` takes the dual for groups with fewer rows than d.
+    Groups are solved in chunks by batched Cholesky, each chunk zero-padded to its largest group
+    (a zero row changes neither form) and bounded by `max_chunk_bytes`; a group without rows gets
+    W_k = 0. Memory is what the solves need (n·d plus a chunk), never K·d² at once.
+    """
+    if not regularization > 0:
+        raise ValueError(f"grouped_ridge needs a regularization > 0, got {regularization}")
+    if form not in ("auto", "primal", "dual"):
+        raise ValueError(f"form must be 'auto', 'primal' or 'dual', got {form!r}")
+    dim, num_targets = features.shape[1], targets.shape[1]
+    uses_dual = {"auto": lambda size: size < dim, "primal": lambda size: size < 0,  # size: int or tensor
+                 "dual": lambda size: size >= 0}[form]
+
+    def group_bytes(size: Tensor) -> Tensor:
+        side = torch.where(uses_dual(size), size, dim)
+        return (size * (dim + num_targets) + side * side + 2 * dim * num_targets) * features.element_size()
+
+    weights = features.new_zeros(num_groups, dim, num_targets)
+    for chunk, rows, valid in _padded_group_chunks(groups, num_groups, group_bytes, max_chunk_bytes):
+        x = features[rows] * valid[..., None]  # (m, s, d), zero past each group's end
+        t = targets[rows] * valid[..., None]   # (m, s, C)
+        if uses_dual(rows.shape[1]):
+            kernel = x @ x.mT
+            kernel.diagonal(dim1=-2, dim2=-1).add_(regularization)
+            dual = torch.cholesky_solve(t, torch.linalg.cholesky(kernel))  # (m, s, C)
+            weights[chunk] = (dual.mT @ x).mT  # Xᵀα, as (αᵀX)ᵀ: batched matmuls are slow on a transposed X
+        else:
+            gram = x.mT @ x
+            gram.diagonal(dim1=-2, dim2=-1).add_(regularization)
+            weights[chunk] = torch.cholesky_solve((t.mT @ x).mT, torch.linalg.cholesky(gram))
+    return weights
+
+
+def grouped_matmul(features: Tensor, matrices: Tensor, groups: Tensor, *, max_chunk_bytes: int = 2 ** 28) -> Tensor:
+    """Each row times its own group's matrix: (n, d), (K, d, C), (n,) -> (n, C), row i -> x_i W_{g_i}.
+
+    Rows are gathered per group into zero-padded chunks for batched matmuls: n·d·C work, with
+    no per-row copy of a d × C matrix and no product with every group's matrix.
+    """
+    dim, num_outputs = matrices.shape[1:]
+    out = features.new_empty(len(features), num_outputs)
+
+    def group_bytes(size: Tensor) -> Tensor:
+        return (size * (dim + num_outputs) + dim * num_outputs) * features.element_size()
+
+    for chunk, rows, valid in _padded_group_chunks(groups, len(matrices), group_bytes, max_chunk_bytes):
+        out[rows[valid]] = (features[rows] @ matrices[chunk])[valid]
+    return out

@@ -3,5 +3,6 @@ from workbench.methods.afl import AFL
 from workbench.methods.base import ClientBatch, FederatedMethod
 from workbench.methods.deepafl import DeepAFL
 from workbench.methods.ghofl import GHOFL
+from workbench.methods.safle import SAFLe
 
-__all__ = ["AFL", "DeepAFL", "GHOFL", "ClientBatch", "FederatedMethod"]
+__all__ = ["AFL", "DeepAFL", "GHOFL", "SAFLe", "ClientBatch", "FederatedMethod"]

@@ -1,0 +1,270 @@
+"""SAFLe: the sparse Gram is the one-hot Gram, and the federated solution is centralized ridge on Φ."""
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+import yaml
+
+from workbench.cli import main
+from workbench.data import FederatedDataModule, SyntheticBlobs
+from workbench.linalg import multi_hot_gram
+from workbench.methods import SAFLe
+from workbench.methods.base import ClientBatch
+
+BLOBS = SyntheticBlobs(num_classes=10, dim=6, train_size=1500, test_size=300, seed=1)
+# d_q = 6·3 = 18 digits, E·G = 24 > d_q (a second permutation is drawn), V = 8, E·V = 64
+SMALL = dict(levels=3, experts=8, group_size=3)
+MODES = ["binary_overlap", "onehot", "integer"]
+
+
+def data(**partition) -> FederatedDataModule:
+    dm = FederatedDataModule(dataset="synthetic", synthetic=BLOBS, batch_size=256, min_partition_size=1,
+                             **partition)
+    dm.setup()
+    return dm
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.linalg.norm(a - b) / torch.linalg.norm(b))
+
+
+def set_up(method: SAFLe, dm: FederatedDataModule) -> SAFLe:
+    method.feature_dim, method.num_classes, method.num_clients = dm.feature_dim, dm.num_classes, dm.num_clients
+    method.setup_problem(dm.feature_dim, dm.num_classes, dm.num_clients)
+    return method
+
+
+def dense_phi(active: torch.Tensor, rows: int) -> torch.Tensor:
+    """The dense one-hot design the method never builds: (n, E) -> (n, E·V) float64."""
+    return torch.zeros(len(active), rows, dtype=torch.float64).scatter_(1, active, 1.0)
+
+
+def reference_indices(method: SAFLe, z: torch.Tensor) -> torch.Tensor:
+    """The spec, step by step, from standardized features z (n, d): full digit code, groups, base k."""
+    tau = method.cut_points
+    over = (z[:, :, None] > tau).long()  # [z > τ_t]: (n, d, T)
+    region = over.sum(2)  # thresholds below z
+    if method.bucketing == "binary_overlap":
+        code = over  # bit l = [z > τ_l]
+    elif method.bucketing == "onehot":
+        code = (region[:, :, None] == torch.arange(method.levels)).long()  # bit l = [z in bin l]
+    else:
+        code = region[:, :, None]  # one digit in 0..L−1
+    code = code.flatten(1)  # (n, d_q)
+    k, groups = method.base, method.digit_groups
+    index = torch.zeros(len(z), method.experts, dtype=torch.long)
+    for i in range(method.group_size):  # idx_j = Σ_i g_{j,i} k^(i−1)
+        index += code[:, groups[:, i]] * k ** i
+    return index + method.vocab * torch.arange(method.experts)
+
+
+def per_sample_z(x: torch.Tensor) -> torch.Tensor:
+    x = x.double()
+    return (x - x.mean(1, keepdim=True)) / x.std(1, unbiased=False, keepdim=True)
+
+
+def pooled_z(x: torch.Tensor) -> torch.Tensor:
+    x = x.double()
+    return (x - x.mean(0)) / x.std(0, unbiased=False)
+
+
+# ---- the embedding ------------------------------------------------------------------------------
+@pytest.mark.parametrize("bucketing", MODES)
+def test_cut_points_are_standard_normal_quantiles_of_equally_likely_regions(bucketing):
+    method = set_up(SAFLe(bucketing=bucketing, **SMALL), data(num_clients=2, partition="iid"))
+    regions = SMALL["levels"] + 1 if bucketing == "binary_overlap" else SMALL["levels"]
+    normal = torch.distributions.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0)
+    probabilities = normal.cdf(method.cut_points)
+    assert torch.allclose(probabilities, torch.arange(1, regions, dtype=torch.float64) / regions, atol=1e-12)
+
+
+@pytest.mark.parametrize("bucketing", MODES)
+def test_expert_indices_follow_the_spec_and_pick_exactly_one_row_per_table(bucketing):
+    dm = data(num_clients=2, partition="iid")
+    method = set_up(SAFLe(bucketing=bucketing, **SMALL), dm)
+    active = method.expert_indices(dm.train_features)
+    assert torch.equal(active, reference_indices(method, per_sample_z(dm.train_features)))
+    table_of_row = active.div(method.vocab, rounding_mode="floor")
+    assert torch.equal(table_of_row, torch.arange(method.experts).expand_as(active))  # one row per table
+    phi = dense_phi(active, method.embedding_rows)
+    assert torch.equal(phi.sum(1), torch.full((len(phi),), float(method.experts), dtype=torch.float64))
+    assert len(active.unique()) > method.experts  # the tables are really indexed by the data
+
+
+def test_groups_are_seeded_permutations_of_the_digits():
+    dm = data(num_clients=2, partition="iid")
+    num_digits = BLOBS.dim * SMALL["levels"]
+    method = set_up(SAFLe(**SMALL), dm)
+    used = method.digit_groups.flatten()
+    assert torch.equal(used[:num_digits].sort().values, torch.arange(num_digits))  # every digit once...
+    assert len(used[num_digits:].unique()) == len(used) - num_digits  # ...then a fresh permutation
+    truncated = set_up(SAFLe(levels=3, experts=4, group_size=3), dm).digit_groups  # E·G = 12 < d_q = 18
+    assert len(truncated.unique()) == truncated.numel()
+    again = set_up(SAFLe(**SMALL), dm).digit_groups
+    other_seed = set_up(SAFLe(**SMALL, seed=1), dm).digit_groups
+    assert torch.equal(again, method.digit_groups) and not torch.equal(other_seed, method.digit_groups)
+
+
+def scalar_codes(bucketing: str, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Digit codes (n, digits) of one feature swept over [−3, 3] with z = x, and its regions (n,)."""
+    method = SAFLe(bucketing=bucketing, levels=levels, thresholds="calibrated", experts=1, group_size=1)
+    method.setup_problem(feature_dim=1, num_classes=2, num_clients=1)  # mean 0, std 1 before calibration: z = x
+    x = torch.linspace(-3, 3, 1201, dtype=torch.float64)[:, None]
+    return method.digit_code(x), torch.bucketize(x[:, 0], method.cut_points)
+
+
+def test_thermometer_codes_of_nearby_values_differ_in_one_bit_and_distance_grows_with_the_gap():
+    levels = 7
+    codes, region = scalar_codes("binary_overlap", levels)
+    hamming = (codes[:, None, :] != codes[None, :, :]).sum(2)
+    gap = (region[:, None] - region[None, :]).abs()
+    assert torch.equal(hamming, gap)  # the code is ordinal: bits differ once per threshold crossed
+    assert set(region.tolist()) == set(range(levels + 1))
+
+
+@pytest.mark.parametrize("bucketing, changed_fraction", [("onehot", 2 / 7), ("integer", 1.0)])
+def test_onehot_and_integer_codes_lose_all_similarity_across_any_threshold(bucketing, changed_fraction):
+    """Crossing one threshold changes 2 of L one-hot bits, or the whole integer digit (the cliff),
+    and a value far away is exactly as different as a neighbour."""
+    codes, region = scalar_codes(bucketing, levels=7)
+    hamming = (codes[:, None, :] != codes[None, :, :]).sum(2).double() / codes.shape[1]
+    different = region[:, None] != region[None, :]
+    assert torch.equal(hamming[different], torch.full_like(hamming[different], changed_fraction))
+    assert torch.equal(hamming[~different], torch.zeros_like(hamming[~different]))
+    assert set(region.tolist()) == set(range(7))
+
+
+# ---- the statistics ------------------------------------------------------------------------------
+def test_multi_hot_gram_equals_the_dense_product_for_any_indices():
+    """Unstructured columns, repeats inside a row, several chunks of rows, several tiles of the table."""
+    for size in (11, 300):
+        active = torch.randint(0, size, (400, 5), generator=torch.Generator().manual_seed(size))
+        phi = torch.zeros(400, size, dtype=torch.float64).scatter_add_(1, active, torch.ones(400, 5).double())
+        assert (phi > 1).any()  # some row holds a column twice
+        assert torch.equal(multi_hot_gram(active, size, chunk_elements=64), phi.T @ phi)
+
+
+@pytest.mark.parametrize("raw_features", [False, True])
+@pytest.mark.parametrize("bucketing", MODES)
+def test_uploads_equal_the_dense_one_hot_products(bucketing, raw_features):
+    dm = data(num_clients=3, partition="iid")
+    method = set_up(SAFLe(bucketing=bucketing, raw_features=raw_features, gamma=0.0, **SMALL), dm)
+    x, y = dm.train_features, dm.train_labels
+    upload = method.client_step(ClientBatch(x, y, dm.train_client_ids, torch.arange(len(y)), new_clients=0))
+    rows, vocab, d = method.embedding_rows, method.vocab, dm.feature_dim
+    phi = dense_phi(method.expert_indices(x), rows)
+    onehot_y = torch.nn.functional.one_hot(y, dm.num_classes).double()
+    raw = d if raw_features else 0
+    gram, cross = upload["gram"][raw:, raw:], upload["cross"][raw:]
+    assert torch.equal(gram, phi.T @ phi) and torch.equal(cross, phi.T @ onehot_y)  # exact counts
+    blocks = gram.view(method.experts, vocab, method.experts, vocab)
+    for j in range(method.experts):  # one active row per table: its diagonal block is diagonal
+        assert torch.equal(blocks[j, :, j, :], torch.diag(blocks[j, :, j, :].diagonal()))
+    if raw_features:
+        design = torch.cat([x.double(), phi], 1)
+        assert relative_error(upload["gram"], design.T @ design) <= 1e-12
+        assert relative_error(upload["cross"], design.T @ onehot_y) <= 1e-12
+
+
+# ---- federated = centralized ---------------------------------------------------------------------
+PARTITIONS = [
+    {"partition": "iid", "num_clients": 1},
+    {"partition": "iid", "num_clients": 10},
+    {"partition": "dirichlet", "alpha": 0.1, "num_clients": 20},
+]
+
+
+@pytest.mark.parametrize("partition", PARTITIONS, ids=lambda p: "-".join(map(str, p.values())))
+@pytest.mark.parametrize("thresholds", ["fixed", "calibrated"])
+def test_federated_equals_centralized_ridge_on_the_embedding(fit_method, partition, thresholds):
+    dm = data(**partition)
+    method = SAFLe(thresholds=thresholds, gamma=2.0, gamma_out=0.5, **SMALL)
+    fit_method(method, dm)
+    x = dm.train_features
+    if thresholds == "calibrated":  # the summed moments are the pooled ones
+        assert relative_error(method.feature_mean, x.double().mean(0)) <= 1e-12
+        assert relative_error(method.feature_std, x.double().std(0, unbiased=False)) <= 1e-12
+    z = pooled_z(x) if thresholds == "calibrated" else per_sample_z(x)
+    phi = dense_phi(reference_indices(method, z), method.embedding_rows)
+    onehot_y = torch.nn.functional.one_hot(dm.train_labels, dm.num_classes).double()
+    ridge = 0.5 * torch.eye(phi.shape[1], dtype=phi.dtype)
+    centralized = torch.linalg.solve(phi.T @ phi + ridge, phi.T @ onehot_y)
+    assert relative_error(method.embedding, centralized) <= 1e-8
+    test_phi = dense_phi(method.expert_indices(dm.test_features), method.embedding_rows)
+    assert relative_error(method(dm.test_features), test_phi @ centralized) <= 1e-8  # forward = Φ(x)ᵀW
+
+
+def test_raw_features_beside_the_embedding_is_one_centralized_ridge(fit_method):
+    dm = data(partition="dirichlet", alpha=0.1, num_clients=20)
+    method = SAFLe(raw_features=True, gamma=1.0, gamma_out=0.5, **SMALL)
+    fit_method(method, dm)
+    x = dm.train_features.double()
+    design = torch.cat([x, dense_phi(reference_indices(method, per_sample_z(x)), method.embedding_rows)], 1)
+    onehot_y = torch.nn.functional.one_hot(dm.train_labels, dm.num_classes).double()
+    centralized = torch.linalg.solve(design.T @ design + 0.5 * torch.eye(design.shape[1], dtype=x.dtype),
+                                     design.T @ onehot_y)
+    assert relative_error(torch.cat([method.raw_weight, method.embedding]), centralized) <= 1e-8
+    test_x = dm.test_features.double()
+    test_design = torch.cat([test_x, dense_phi(method.expert_indices(test_x), method.embedding_rows)], 1)
+    assert relative_error(method(dm.test_features), test_design @ centralized) <= 1e-8
+
+
+# ---- communication ------------------------------------------------------------------------------
+@pytest.mark.parametrize("thresholds, raw_features",
+                         [("fixed", False), ("calibrated", False), ("fixed", True)])
+def test_bytes_and_rounds_are_the_analytic_count(fit_method, thresholds, raw_features):
+    dm = data(num_clients=10, partition="iid")
+    method = SAFLe(thresholds=thresholds, raw_features=raw_features, **SMALL)
+    fit_method(method, dm)
+    d, classes, k = BLOBS.dim, BLOBS.num_classes, 10
+    side = 8 * 2 ** 3 + (d if raw_features else 0)  # E·V (+ d)
+    calibrated = thresholds == "calibrated"
+    per_client = (side * (side + 1) // 2 + side * classes + calibrated * (2 * d + 1)) * 8  # float64
+    assert method.fit_metrics["comm/bytes_up_per_client"] == per_client
+    assert method.fit_metrics["comm/bytes_up"] == per_client * k
+    assert method.fit_metrics["comm/bytes_down"] == (side * classes + calibrated * 2 * d) * 8 * k
+    assert method.fit_metrics["comm/rounds"] == method.num_rounds == (2 if calibrated else 1)
+
+
+# ---- the command line and checkpoints -------------------------------------------------------------
+def test_cli_fit_then_test_from_the_checkpoint(tmp_path):
+    config = {
+        "model": {"class_path": "SAFLe", "init_args": {"thresholds": "calibrated", **SMALL}},
+        "data": {"class_path": "FederatedDataModule",
+                 "init_args": {"dataset": "synthetic", "num_clients": 5, "partition": "dirichlet",
+                               "alpha": 0.5, "synthetic": {"num_classes": 4, "dim": 6, "train_size": 800,
+                                                           "test_size": 200}}},
+    }
+    path = tmp_path / "safle.yaml"
+    path.write_text(yaml.safe_dump(config))
+    common = ["--config", str(path), "--trainer.enable_progress_bar=false"]
+    main(["fit", *common, f"--run_dir={tmp_path / 'fit'}"])
+    run = next((tmp_path / "fit").glob("*/version_0"))
+    logged = {}
+    for row in csv.DictReader((run / "metrics.csv").open()):
+        logged.update({key: float(value) for key, value in row.items() if value})
+    assert logged["comm/rounds"] == 2 and logged["test/acc"] > 0.9
+    cli = main(["test", *common, f"--run_dir={tmp_path / 'eval'}", f"--ckpt_path={run / 'model.ckpt'}"])
+    assert cli.trainer.callback_metrics["test/acc"] == pytest.approx(logged["test/acc"])
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad, match", [
+    (dict(bucketing="thermometer"), "bucketing"),
+    (dict(thresholds="learned"), "thresholds"),
+    (dict(bucketing="onehot", levels=1), "levels"),
+    (dict(experts=0), "experts"),
+    (dict(gamma_out=-1.0), "gamma"),
+    (dict(dtype="int64"), "dtype"),
+    (dict(experts=4096, group_size=6), "lower experts or group_size"),
+])
+def test_bad_hyperparameters_are_rejected(bad, match):
+    with pytest.raises(ValueError, match=match):
+        SAFLe(**bad)
+
+
+def test_groups_larger_than_the_digits_are_rejected():
+    with pytest.raises(ValueError, match="group_size"):
+        set_up(SAFLe(bucketing="integer", levels=2, group_size=7), data(num_clients=2, partition="iid"))
