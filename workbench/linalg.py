@@ -179,8 +179,9 @@ def grouped_ridge(features: Tensor, targets: Tensor, groups: Tensor, num_groups:
 def grouped_matmul(features: Tensor, matrices: Tensor, groups: Tensor, *, max_chunk_bytes: int = 2 ** 28) -> Tensor:
     """Each row times its own group's matrix: (n, d), (K, d, C), (n,) -> (n, C), row i -> x_i W_{g_i}.
 
-    Rows are gathered per group into zero-padded chunks for batched matmuls: n·d·C work, with
-    no per-row copy of a d × C matrix and no product with every group's matrix.
+    Rows are gathered per group into padded chunks for batched matmuls (the padding rows' outputs
+    are dropped): n·d·C work, with no per-row copy of a d × C matrix and no product with every
+    group's matrix.
     """
     dim, num_outputs = matrices.shape[1:]
     out = features.new_empty(len(features), num_outputs)

@@ -1,8 +1,10 @@
 """Federated methods. Each one is a `FederatedMethod` in a file of its own."""
 from workbench.methods.afl import AFL
+from workbench.methods.anapfl import AnaPFL
 from workbench.methods.base import ClientBatch, FederatedMethod
 from workbench.methods.deepafl import DeepAFL
 from workbench.methods.ghofl import GHOFL
+from workbench.methods.local_only import LocalOnly
 from workbench.methods.safle import SAFLe
 
-__all__ = ["AFL", "DeepAFL", "GHOFL", "SAFLe", "ClientBatch", "FederatedMethod"]
+__all__ = ["AFL", "AnaPFL", "DeepAFL", "GHOFL", "LocalOnly", "SAFLe", "ClientBatch", "FederatedMethod"]
