@@ -1,6 +1,7 @@
 """FederatedDataModule: raw data -> cached backbone features -> clients."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -86,11 +87,16 @@ class FederatedDataModule(LightningDataModule):
 
     Training batches hold several clients' samples (`features`, `labels`, `client_ids`),
     ordered by client; test batches hold `features` and `labels` of the global test split.
+    A method with `whole_round_batch = True` gets the whole training set as one batch.
 
     Args:
         dataset: a name from `workbench.data.datasets.list_datasets()`, or `synthetic`.
         data_dir: where raw datasets are looked for (and downloaded to with `download`).
         download: allow torchvision to download a missing dataset (needs internet).
+        inputs: `features` (cached backbone features, (n, d)) or `images`: the raw images at
+            their native size as float (n, c, H, W) scaled to [-1, 1], no backbone (for models
+            that train on pixels, e.g. a small CNN); `backbone`, `input_size`, `mean` and `std`
+            are then unused.
         backbone: `efficientnet_lite0` (packaged ImageNet weights) or any timm model name.
         pretrained: load pretrained weights (else a seeded random init, for smoke tests).
         weights_path: a local weights file for the backbone.
@@ -117,6 +123,7 @@ class FederatedDataModule(LightningDataModule):
         dataset: str = "mnist5k",
         data_dir: str = "~/.cache/workbench/data",
         download: bool = False,
+        inputs: Literal["features", "images"] = "features",
         backbone: str = "efficientnet_lite0",
         pretrained: bool = True,
         weights_path: str | None = None,
@@ -149,6 +156,11 @@ class FederatedDataModule(LightningDataModule):
                              "small values (0.05) mean strong label skew, large ones (100) near-iid")
         if num_clients < 1:
             raise ValueError(f"data.num_clients must be ≥ 1, got {num_clients}")
+        if inputs not in ("features", "images"):
+            raise ValueError(f"data.inputs must be 'features' or 'images', got {inputs!r}")
+        if inputs == "images" and dataset == "synthetic":
+            raise ValueError("the synthetic dataset is drawn in feature space and has no images: "
+                             "use data.inputs=features, or an image dataset such as mnist5k")
         if not 0 < local_test_fraction < 1:
             raise ValueError(f"data.local_test_fraction must be in (0, 1), got {local_test_fraction}")
         if not 0 <= val_fraction < 1:
@@ -171,18 +183,24 @@ class FederatedDataModule(LightningDataModule):
         return self._num_classes
 
     @property
-    def feature_dim(self) -> int:
+    def input_shape(self) -> tuple[int, ...]:
+        """Shape of one input: (d,) for features, (c, H, W) for images."""
         self._require_setup()
-        return self.train_features.shape[1]
+        return tuple(self.train_features.shape[1:])
+
+    @property
+    def feature_dim(self) -> int:
+        """Numbers per input: d for features, c·H·W for images."""
+        return math.prod(self.input_shape)
 
     def describe(self) -> dict[str, str]:
         """Short labels of this data setup, for run names, tags and tables."""
         args = self.args
         main_param = PARTITION_PARAMS[args.partition][:1]  # the one that sets the skew
         params = ",".join(f"{name}={args[name]}" for name in main_param)
-        is_synthetic = args.dataset == "synthetic"
+        no_backbone = args.dataset == "synthetic" or args.inputs == "images"
         return {"dataset": args.dataset,
-                "backbone": "none" if is_synthetic else args.backbone,
+                "backbone": "none" if no_backbone else args.backbone,
                 "partition": f"{args.partition}({params})" if params else args.partition,
                 "num_clients": str(args.num_clients)}
 
@@ -197,6 +215,8 @@ class FederatedDataModule(LightningDataModule):
         if self.args.dataset == "synthetic":
             x_train, y_train, x_test, y_test = self.synthetic.generate()
             self._num_classes = self.synthetic.num_classes
+        elif self.args.inputs == "images":
+            x_train, y_train, x_test, y_test = self._images()
         else:
             x_train, y_train, x_test, y_test = self._backbone_features()
         if self.args.val_fraction > 0:
@@ -239,6 +259,19 @@ class FederatedDataModule(LightningDataModule):
             splits += [features, split.labels]
         return tuple(splits)
 
+    def _images(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Raw images as float (n, c, H, W) in [-1, 1] (a fixed, data-free scaling)."""
+        from workbench.data.datasets import load_dataset
+
+        data = load_dataset(self.args.dataset, data_dir=self.args.data_dir, download=self.args.download)
+        self._num_classes = len(data.classes)
+
+        def to_float(images: Tensor) -> Tensor:  # (n, H, W[, 3]) uint8 -> (n, c, H, W)
+            x = images.unsqueeze(1) if images.ndim == 3 else images.permute(0, 3, 1, 2)
+            return (x.float() / 127.5 - 1).contiguous()
+
+        return to_float(data.train.images), data.train.labels, to_float(data.test.images), data.test.labels
+
     def _partition(self, labels: Tensor) -> Tensor:
         args = self.args
         params = {name: args[name] for name in PARTITION_PARAMS[args.partition]}
@@ -247,7 +280,10 @@ class FederatedDataModule(LightningDataModule):
 
     # ---- loaders ----------------------------------------------------------------------------
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(FeatureBatches(self.args.batch_size, features=self.train_features,
+        method = self.trainer.lightning_module if self.trainer is not None else None
+        whole_round = getattr(method, "whole_round_batch", False)  # all clients in one step
+        batch_size = max(len(self.train_labels), 1) if whole_round else self.args.batch_size
+        return DataLoader(FeatureBatches(batch_size, features=self.train_features,
                                          labels=self.train_labels, client_ids=self.train_client_ids,
                                          sample_index=torch.arange(len(self.train_labels))),
                           batch_size=None)

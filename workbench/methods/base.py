@@ -10,6 +10,14 @@ A method implements three things:
   (the server of every analytic method needs only this sum) and returns the broadcast.
 - `forward(features)`: logits of the current model, (n, d) -> (n, C).
 
+Gradient methods use four optional extensions: `whole_round_batch` (the data module then yields
+all training samples in one batch, so one `client_step` runs every client's local epochs),
+`stacked_uploads` (uploads the runtime concatenates along a leading client axis instead of
+summing, e.g. OS-FED's snapshots), `upload_bytes_per_client` (bytes that are not those of a
+dense tensor, e.g. top-k values + indices) and `uploading_clients` (with client sampling only
+the sampled clients upload). `input_shape` holds the shape of one input, (d,) for features
+or (c, H, W) for raw images (`data.inputs: images`).
+
 The runtime here accumulates uploads, counts every message's bytes at the dtype sent, times
 client and server work, logs `comm/*`, `time/*` and accuracy, and stops after `num_rounds`.
 """
@@ -50,12 +58,17 @@ class FederatedMethod(LightningModule):
 
     #: upload names sent packed as an upper triangle (symmetric matrices)
     symmetric_uploads: frozenset[str] = frozenset()
+    #: upload names the runtime concatenates along dim 0 (one row per client) instead of summing
+    stacked_uploads: frozenset[str] = frozenset()
+    #: ask the data module for one training batch holding every sample (views, no copy)
+    whole_round_batch: bool = False
 
     def __init__(self) -> None:
         super().__init__()
         self.automatic_optimization = False  # analytic methods solve; gradient methods step themselves
         self.register_buffer("rounds_done", torch.zeros((), dtype=torch.long))
         self.feature_dim = self.num_classes = self.num_clients = 0
+        self.input_shape: tuple[int, ...] = ()  # one input's shape: (d,) or (c, H, W)
 
     # ---- to implement -------------------------------------------------------------------
     @property
@@ -71,6 +84,21 @@ class FederatedMethod(LightningModule):
 
     def server_step(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, Tensor]:
         raise NotImplementedError
+
+    def upload_bytes_per_client(self, uploads: dict[str, Tensor]) -> int:
+        """Bytes one client sends, from the round's accumulated uploads.
+
+        Summed uploads have one client's shapes; a stacked upload counts one row. Methods whose
+        messages are not dense tensors (sparse values + indices, packed low-bit codes) override.
+        """
+        one_client = {name: value[0] if name in self.stacked_uploads else value
+                      for name, value in uploads.items()}
+        return messages_bytes(one_client, self.symmetric_uploads)
+
+    def uploading_clients(self) -> int:
+        """Clients that uploaded this round: by default every client with data in the round's
+        batches; methods that sample clients override."""
+        return int(self._seen.sum())
 
     # ---- runtime ------------------------------------------------------------------------
     @property
@@ -90,6 +118,7 @@ class FederatedMethod(LightningModule):
         if shape == (self.feature_dim, self.num_classes, self.num_clients):
             return  # set up by an earlier stage (fit, then test): keep the fitted model
         self.feature_dim, self.num_classes, self.num_clients = shape
+        self.input_shape = tuple(getattr(data, "input_shape", (data.feature_dim,)))
         self.setup_problem(*shape)
         self.val_acc = MulticlassAccuracy(self.num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(self.num_classes, average="micro")
@@ -119,7 +148,9 @@ class FederatedMethod(LightningModule):
         uploads = self.client_step(ClientBatch(batch["features"], batch["labels"], client_ids,
                                                batch["sample_index"], new_clients))
         for name, value in uploads.items():
-            if name in self._uploads:
+            if name in self._uploads and name in self.stacked_uploads:
+                self._uploads[name] = torch.cat([self._uploads[name], value])
+            elif name in self._uploads:
                 self._uploads[name] += value
             else:
                 self._uploads[name] = value.clone()
@@ -130,8 +161,8 @@ class FederatedMethod(LightningModule):
             self._finish_round()
 
     def _finish_round(self) -> None:
-        num_clients = int(self._seen.sum())
-        per_client_up = messages_bytes(self._uploads, self.symmetric_uploads)
+        num_clients = self.uploading_clients()
+        per_client_up = self.upload_bytes_per_client(self._uploads)
         start = time.perf_counter()
         broadcast = self.server_step(self._uploads, num_clients)
         server_s = time.perf_counter() - start

@@ -1,0 +1,311 @@
+"""Accuracy against upload bytes: FedAvg, FedProx, top-k, 8/4-bit quantization and OS-FED.
+
+Part 1, cached features: Fashion-MNIST (60k/10k) through EfficientNet-Lite0 at 64 px (1280-d),
+10 clients, Dirichlet α = 0.5, an MLP head, every method the same number of rounds with the
+same local training (full participation, 1 local epoch). Part 2, pixels: a small CNN on the
+raw mnist5k images (4k/1k, 28×28), same partition scheme. After every round the global model
+is scored on the test split; the table gives the final and best accuracy, the bytes one client
+uploads per round, the cumulative upload of all clients, and per-round times: local training
+(all clients, vectorized), the clients' compression (top-k / quantization / OS-FED snapshot
+fits, all clients at once) and the server's recovery and update.
+
+    python benchmarks/communication.py                  # the full run (about 10 min on 2 cores)
+    python benchmarks/communication.py --rounds 3 --cnn_rounds 2   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightning import Callback, Trainer  # noqa: E402
+
+from workbench.data import FederatedDataModule  # noqa: E402
+from workbench.methods import OSFED, FedAvg, FedProx  # noqa: E402
+
+
+class RoundLog(Callback):
+    """After each round: test accuracy, cumulative upload bytes, this round's times."""
+
+    def __init__(self, test_features: torch.Tensor, test_labels: torch.Tensor) -> None:
+        self.test_features, self.test_labels = test_features, test_labels
+        self.rows: list[dict[str, float]] = []
+        self._last = {"time/compress_s": 0.0, "time/server_s": 0.0, "time/client_s": 0.0}
+
+    @torch.no_grad()
+    def on_train_epoch_end(self, trainer, method) -> None:
+        logits = torch.cat(
+            [method(chunk.to(method.device)) for chunk in self.test_features.split(4096)]
+        )
+        metrics = {**method.fit_metrics, **method.round_metrics}
+        row = {
+            "round": metrics["comm/rounds"],
+            "acc": float((logits.argmax(1).cpu() == self.test_labels).float().mean()),
+            "bytes_up": metrics["comm/bytes_up"],
+            "bytes_per_client": 0.0,
+        }
+        for key in self._last:
+            row[key] = metrics[key] - self._last[key]
+            self._last[key] = metrics[key]
+        # local SGD + client bookkeeping
+        row["train_s"] = row["time/client_s"] - row["time/compress_s"]
+        row["match_loss"] = metrics.get("osfed/match_loss", float("nan"))
+        self.rows.append(row)
+
+
+def run(method, datamodule: FederatedDataModule) -> list[dict[str, float]]:
+    log = RoundLog(datamodule.test_features, datamodule.test_labels)
+    trainer = Trainer(
+        max_epochs=method.num_rounds,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[log],
+    )
+    trainer.fit(method, datamodule=datamodule)
+    per_client = method.fit_metrics["comm/bytes_up"] / (
+        method.num_rounds * method.fit_metrics["comm/clients_in_round"]
+    )
+    for row in log.rows:
+        row["bytes_per_client"] = per_client
+    return log.rows
+
+
+def summarize(
+    name: str, rows: list[dict[str, float]], reference_bytes: float, target_acc: float
+) -> dict[str, str]:
+    def median(key: str) -> float:
+        return float(torch.tensor([r[key] for r in rows]).median())
+
+    per_client = rows[-1]["bytes_per_client"]
+    reached = next((r for r in rows if r["acc"] >= target_acc), None)
+    return {
+        "method": name,
+        "bytes / client / round": f"{per_client / 1e3:,.1f} kB",
+        "× fewer than FedAvg": f"{reference_bytes / per_client:,.1f}",
+        "final acc": f"{100 * rows[-1]['acc']:.2f}",
+        "best acc": f"{100 * max(r['acc'] for r in rows):.2f}",
+        "total upload": f"{rows[-1]['bytes_up'] / 1e6:,.2f} MB",
+        f"upload to {100 * target_acc:.1f} %": "not reached"
+        if reached is None
+        else f"{reached['bytes_up'] / 1e6:,.2f} MB (round {int(reached['round'])})",
+        "local training s/round": f"{median('train_s'):.2f}",
+        "compression s/round": f"{median('time/compress_s'):.3f}",
+        "server s/round": f"{median('time/server_s'):.4f}",
+        "match loss (last)": ""
+        if rows[-1]["match_loss"] != rows[-1]["match_loss"]
+        else f"{rows[-1]['match_loss']:.3f}",
+    }
+
+
+def markdown(table: list[dict[str, str]]) -> list[str]:
+    header = list(table[0])
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *["| " + " | ".join(row[h] for h in header) + " |" for row in table],
+    ]
+
+
+def plot(curves: dict[str, dict[str, list[dict[str, float]]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(curves), figsize=(6.5 * len(curves), 4.5), squeeze=False)
+    for ax, (title, runs) in zip(axes[0], curves.items()):
+        for name, rows in runs.items():
+            ax.plot(
+                [r["bytes_up"] for r in rows],
+                [100 * r["acc"] for r in rows],
+                marker="o",
+                ms=3,
+                label=name,
+            )
+        ax.set_xscale("log")
+        ax.set_xlabel("cumulative upload, all clients (bytes)")
+        ax.set_ylabel("test accuracy (%)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=15, help="rounds of every feature-head run")
+    parser.add_argument("--cnn_rounds", type=int, default=10, help="rounds of every CNN run")
+    parser.add_argument("--hidden_dim", type=int, default=64, help="hidden width of the MLP head")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--batch_size", type=int, default=64)
+    parser.add_argument("--lbfgs_steps", type=int, default=30)
+    parser.add_argument("--topk_fraction", type=float, default=0.01)
+    parser.add_argument("--mu", type=float, default=0.01, help="FedProx μ")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads; 1 avoids the thread-pool stalls of a shared 2-core machine",
+    )
+    parser.add_argument("--out", default="benchmarks/results/communication.md")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings(
+        "ignore", module="lightning"
+    )  # no optimizer, no val loader: by design here
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    start = time.perf_counter()
+
+    def feature_methods() -> dict[str, object]:
+        common = dict(
+            num_rounds=args.rounds,
+            architecture="mlp",
+            hidden_dim=args.hidden_dim,
+            lr=args.lr,
+            local_batch_size=args.batch_size,
+            local_epochs=1,
+            seed=0,
+        )
+        return {
+            "FedAvg": FedAvg(**common),
+            f"FedProx (μ={args.mu:g})": FedProx(mu=args.mu, **common),
+            f"top-k {100 * args.topk_fraction:g}% + EF": FedAvg(
+                compression="topk", topk_fraction=args.topk_fraction, **common
+            ),
+            "8-bit + EF": FedAvg(compression="quantize", quantize_bits=8, **common),
+            "4-bit + EF": FedAvg(compression="quantize", quantize_bits=4, **common),
+            "OS-FED M=2": OSFED(grid_size=2, lbfgs_steps=args.lbfgs_steps, **common),
+            "OS-FED M=4": OSFED(grid_size=4, lbfgs_steps=args.lbfgs_steps, **common),
+            "OS-FED M=2, no EF": OSFED(
+                grid_size=2, lbfgs_steps=args.lbfgs_steps, error_feedback=False, **common
+            ),
+            "OS-FED M=4, no EF": OSFED(
+                grid_size=4, lbfgs_steps=args.lbfgs_steps, error_feedback=False, **common
+            ),
+        }
+
+    def cnn_methods() -> dict[str, object]:
+        common = dict(
+            num_rounds=args.cnn_rounds,
+            architecture="cnn",
+            lr=args.lr,
+            local_batch_size=32,
+            local_epochs=1,
+            seed=0,
+        )
+        return {
+            "FedAvg": FedAvg(**common),
+            f"top-k {100 * args.topk_fraction:g}% + EF": FedAvg(
+                compression="topk", topk_fraction=args.topk_fraction, **common
+            ),
+            "4-bit + EF": FedAvg(compression="quantize", quantize_bits=4, **common),
+            "OS-FED M=2 (28×28 map)": OSFED(grid_size=2, lbfgs_steps=args.lbfgs_steps, **common),
+            "OS-FED M=2 (28×28 map), no EF": OSFED(
+                grid_size=2, lbfgs_steps=args.lbfgs_steps, error_feedback=False, **common
+            ),
+        }
+
+    parts = {
+        "Fashion-MNIST features, MLP head": (
+            FederatedDataModule(
+                dataset="fashion_mnist",
+                input_size=64,
+                num_clients=10,
+                partition="dirichlet",
+                alpha=0.5,
+                seed=0,
+            ),
+            feature_methods,
+            args.rounds,
+        ),
+        "mnist5k images, small CNN": (
+            FederatedDataModule(
+                dataset="mnist5k",
+                inputs="images",
+                num_clients=10,
+                partition="dirichlet",
+                alpha=0.5,
+                seed=0,
+            ),
+            cnn_methods,
+            args.cnn_rounds,
+        ),
+    }
+    curves: dict[str, dict[str, list[dict[str, float]]]] = {}
+    lines: list[str] = []
+    for title, (datamodule, make_methods, rounds) in parts.items():
+        datamodule.setup()
+        runs = {}
+        for name, method in make_methods().items():
+            runs[name] = run(method, datamodule)
+            print(f"{title} | {name}: acc {100 * runs[name][-1]['acc']:.2f}", flush=True)
+        curves[title] = runs
+        reference = runs["FedAvg"][-1]["bytes_per_client"]
+        # "within a few points" of FedAvg's final accuracy
+        target = runs["FedAvg"][-1]["acc"] - 0.03
+        table = [summarize(name, rows, reference, target) for name, rows in runs.items()]
+        sizes = torch.bincount(datamodule.train_client_ids).tolist()
+        lines += [
+            f"### {title}",
+            "",
+            f"{len(datamodule.train_labels)} training samples on 10 clients (sizes {sizes}), "
+            f"input {tuple(datamodule.input_shape)}, {rounds} rounds, all clients every round.",
+            "",
+            *markdown(table),
+            "",
+        ]
+
+    cpu = (
+        next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            platform.processor(),
+        )
+        if Path("/proc/cpuinfo").exists()
+        else platform.processor()
+    )
+    total = time.perf_counter() - start
+    header = [
+        "Accuracy against upload bytes; one client's upload per round, the total upload of all "
+        "clients over the run, the upload (all clients) until the test accuracy first reaches "
+        "FedAvg's final accuracy minus 3 points, and medians over rounds of the per-round times "
+        "(all clients together, vectorized). Local training: 1 epoch of SGD, "
+        f"lr {args.lr:g}, batch {args.batch_size} (features) / 32 (CNN); "
+        f"MLP head 1280 → {args.hidden_dim} → 10; OS-FED: {args.lbfgs_steps} L-BFGS iterations "
+        "per round, error feedback (EF) on as for top-k and quantization unless the row says "
+        "no EF. Hyperparameters were set once for all methods, not tuned per method.",
+        f"Machine: {cpu}, {os.cpu_count()} cores (shared with other work while this ran), "
+        f"torch {torch.__version__} with {torch.get_num_threads()} threads; "
+        f"whole benchmark {total / 60:.1f} min.",
+        "",
+    ]
+    report = "\n".join(header + lines)
+    print(report)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(report + "\n")
+    plot(curves, out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()

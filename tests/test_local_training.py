@@ -1,0 +1,274 @@
+"""Vectorized client-side optimization equals running every client alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_fedavg import one_thread  # noqa: F401  (tiny problems run on one torch thread)
+
+from workbench.federation.local_training import lbfgs, local_sgd, minibatch_schedule
+from workbench.methods.heads import build_model
+
+
+def toy_clients(n: int = 400, d: int = 6, num_classes: int = 4, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(0)
+    features = torch.randn(n, d, generator=gen, dtype=dtype)
+    labels = torch.randint(0, num_classes, (n,), generator=gen)
+    client_ids = torch.randint(0, 5, (n,), generator=gen)
+    client_ids[client_ids == 3] = 2  # client 3 holds no data
+    client_ids[:7] = 4  # a scattered, unsorted order
+    return features, labels, client_ids
+
+
+def reference_sgd(model, features, labels, schedule, row, *, lr, prox_mu=0.0, init=None):
+    """One client alone: torch.optim.SGD over its rows of the same schedule."""
+    if init is not None:
+        with torch.no_grad():
+            for p, start in zip(model.parameters(), init):
+                p.copy_(start)
+    center = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    steps = 0
+    for index, mask in schedule:
+        mine = index[row][mask[row]]
+        if len(mine) == 0:
+            continue
+        steps += 1
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(features[mine]), labels[mine])
+        loss = loss + 0.5 * prox_mu * sum(
+            ((p - c) ** 2).sum() for p, c in zip(model.parameters(), center)
+        )
+        loss.backward()
+        optimizer.step()
+    return dict(model.named_parameters()), steps
+
+
+@pytest.mark.parametrize("prox_mu", [0.0, 0.7])
+def test_vectorized_local_sgd_equals_a_loop_over_clients(prox_mu):
+    features, labels, client_ids = toy_clients()
+    clients = torch.tensor([4, 0, 3, 2])  # any order, one client without data
+    model = build_model("mlp", (6,), 4, hidden_dim=8, seed=1).double()
+    trained = local_sgd(
+        model,
+        features,
+        labels,
+        client_ids,
+        clients,
+        epochs=2,
+        lr=0.1,
+        batch_size=16,
+        generator=torch.Generator().manual_seed(5),
+        prox_mu=prox_mu,
+    )
+    schedule = list(
+        minibatch_schedule(
+            client_ids, clients, epochs=2, batch_size=16, generator=torch.Generator().manual_seed(5)
+        )
+    )
+    for row, client in enumerate(clients.tolist()):
+        alone, steps = reference_sgd(
+            build_model("mlp", (6,), 4, hidden_dim=8, seed=1).double(),
+            features,
+            labels,
+            schedule,
+            row,
+            lr=0.1,
+            prox_mu=prox_mu,
+        )
+        n_k = int((client_ids == client).sum())
+        assert steps == 2 * -(-n_k // 16)  # epochs · ceil(n_k / B)
+        for name, value in alone.items():
+            torch.testing.assert_close(trained[name][row], value.detach(), rtol=1e-12, atol=1e-12)
+    assert torch.equal(trained["1.weight"][2], model[1].weight.detach())  # no data: untouched
+
+
+def test_per_client_starting_points():
+    features, labels, client_ids = toy_clients()
+    clients = torch.tensor([0, 1])
+    model = build_model("linear", (6,), 4, seed=0).double()
+    init = {
+        name: torch.randn(2, *p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(3))
+        for name, p in model.named_parameters()
+    }
+    trained = local_sgd(
+        model,
+        features,
+        labels,
+        client_ids,
+        clients,
+        epochs=1,
+        lr=0.2,
+        batch_size=32,
+        generator=torch.Generator().manual_seed(0),
+        init=init,
+    )
+    schedule = list(
+        minibatch_schedule(
+            client_ids, clients, epochs=1, batch_size=32, generator=torch.Generator().manual_seed(0)
+        )
+    )
+    for row in range(2):
+        alone, _ = reference_sgd(
+            build_model("linear", (6,), 4, seed=0).double(),
+            features,
+            labels,
+            schedule,
+            row,
+            lr=0.2,
+            init=[init[name][row] for name, _ in model.named_parameters()],
+        )
+        for name, value in alone.items():
+            torch.testing.assert_close(trained[name][row], value.detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_cnn_clients_train_vectorized_like_alone():
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randn(90, 1, 8, 8, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, 3, (90,), generator=gen)
+    client_ids = torch.arange(90) % 3
+    clients = torch.tensor([2, 0])
+    model = build_model("cnn", (1, 8, 8), 3, seed=0).double()
+    trained = local_sgd(
+        model,
+        images,
+        labels,
+        client_ids,
+        clients,
+        epochs=1,
+        lr=0.1,
+        batch_size=8,
+        generator=torch.Generator().manual_seed(1),
+    )
+    schedule = list(
+        minibatch_schedule(
+            client_ids, clients, epochs=1, batch_size=8, generator=torch.Generator().manual_seed(1)
+        )
+    )
+    for row in range(2):
+        alone, _ = reference_sgd(
+            build_model("cnn", (1, 8, 8), 3, seed=0).double(), images, labels, schedule, row, lr=0.1
+        )
+        for name, value in alone.items():
+            torch.testing.assert_close(trained[name][row], value.detach(), rtol=1e-10, atol=1e-12)
+
+
+def test_each_epoch_visits_every_sample_of_a_client_once():
+    _, _, client_ids = toy_clients()
+    clients = torch.tensor([0, 1, 2, 4])
+    steps = list(
+        minibatch_schedule(
+            client_ids, clients, epochs=3, batch_size=10, generator=torch.Generator().manual_seed(0)
+        )
+    )
+    per_epoch = len(steps) // 3
+    for epoch in range(3):
+        for row, client in enumerate(clients.tolist()):
+            seen = torch.cat(
+                [
+                    index[row][mask[row]]
+                    for index, mask in steps[epoch * per_epoch : (epoch + 1) * per_epoch]
+                ]
+            )
+            assert torch.equal(seen.sort().values, (client_ids == client).nonzero().squeeze(1))
+    first = torch.cat([i[0][m[0]] for i, m in steps[:per_epoch]])
+    second = torch.cat([i[0][m[0]] for i, m in steps[per_epoch : 2 * per_epoch]])
+    assert not torch.equal(first, second)  # reshuffled every epoch
+
+
+def test_a_clients_draws_do_not_depend_on_the_other_clients():
+    _, _, client_ids = toy_clients()
+
+    def batches_of_client_1(clients):
+        row = clients.tolist().index(1)
+        schedule = minibatch_schedule(
+            client_ids, clients, epochs=2, batch_size=7, generator=torch.Generator().manual_seed(9)
+        )
+        return [index[row][mask[row]] for index, mask in schedule if mask[row].any()]
+
+    alone = batches_of_client_1(torch.tensor([1]))
+    together = batches_of_client_1(torch.tensor([4, 1, 0]))
+    assert len(alone) == len(together) and all(torch.equal(a, b) for a, b in zip(alone, together))
+
+
+def test_bad_arguments_are_rejected():
+    features, labels, client_ids = toy_clients()
+    model = build_model("linear", (6,), 4).double()
+    with pytest.raises(ValueError, match="lr"):
+        local_sgd(
+            model,
+            features,
+            labels,
+            client_ids,
+            torch.tensor([0]),
+            epochs=1,
+            lr=0.0,
+            batch_size=8,
+            generator=torch.Generator(),
+        )
+    with pytest.raises(ValueError, match="prox_center"):
+        local_sgd(
+            model,
+            features,
+            labels,
+            client_ids,
+            torch.tensor([0]),
+            epochs=1,
+            lr=0.1,
+            batch_size=8,
+            generator=torch.Generator(),
+            prox_mu=1.0,
+            prox_center={"1.weight": torch.zeros(3, 3)},
+        )
+
+
+# ---- batched L-BFGS --------------------------------------------------------------------------
+
+
+def rosenbrock_family(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row k: a Rosenbrock valley of its own steepness (100·(k+1)); separable across rows."""
+    x = x.detach().requires_grad_()
+    steep = 100.0 * torch.arange(1, len(x) + 1, dtype=x.dtype)
+    value = (steep[:, None] * (x[:, 1:] - x[:, :-1] ** 2) ** 2 + (1 - x[:, :-1]) ** 2).sum(1)
+    (gradient,) = torch.autograd.grad(value.sum(), x)
+    return value.detach(), gradient
+
+
+def test_batched_lbfgs_is_independent_lbfgs_runs():
+    start = torch.tensor(
+        [[-1.2, 1.0, 0.5, -0.3], [0.0, 0.0, 0.0, 0.0], [2.0, -1.5, 1.0, 1.0]], dtype=torch.float64
+    )
+    together, values = lbfgs(rosenbrock_family, start, steps=25, history=5)
+    for k in range(len(start)):
+        # alone, row k keeps its own steepness: run the family on a one-row batch shifted to row k
+        def alone_objective(x, k=k):
+            padded = torch.zeros(k + 1, x.shape[1], dtype=x.dtype)
+            padded[k] = x[0]
+            value, gradient = rosenbrock_family(padded)
+            return value[k:], gradient[k:]
+
+        alone, value = lbfgs(alone_objective, start[k : k + 1], steps=25, history=5)
+        torch.testing.assert_close(together[k], alone[0], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(values[k], value[0], rtol=1e-10, atol=1e-14)
+
+
+def test_lbfgs_never_increases_the_loss_and_solves_a_quadratic():
+    gen = torch.Generator().manual_seed(0)
+    basis = torch.randn(3, 8, 8, generator=gen, dtype=torch.float64)
+    hessians = basis @ basis.transpose(1, 2) + 0.1 * torch.eye(8, dtype=torch.float64)
+    optimum = torch.randn(3, 8, generator=gen, dtype=torch.float64)
+
+    def quadratic(x):
+        gap = x - optimum
+        gradient = (hessians @ gap[:, :, None]).squeeze(2)
+        return 0.5 * (gap * gradient).sum(1), gradient
+
+    start = torch.zeros(3, 8, dtype=torch.float64)
+    previous = quadratic(start)[0]
+    for steps in (1, 3, 10):
+        _, value = lbfgs(quadratic, start, steps=steps)
+        assert (value <= previous + 1e-12).all()
+        previous = value
+    x, _ = lbfgs(quadratic, start, steps=60)
+    torch.testing.assert_close(x, optimum, rtol=1e-6, atol=1e-6)

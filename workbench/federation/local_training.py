@@ -1,0 +1,258 @@
+"""Client-side optimization of many clients at once, vectorized over clients.
+
+A round of a gradient federated method trains every sampled client from the global model on
+its own data. Instead of one optimizer (or one Lightning Trainer) per client, the m clients'
+parameters are kept stacked along a leading client axis, `(m, *param.shape)`, and every
+client's step is taken at once with `torch.func.vmap(torch.func.grad(loss))` over
+`torch.func.functional_call(model, params, inputs)`. The model itself only supplies the
+architecture (and its buffers); its parameters are never modified here.
+
+`local_sgd` — local epochs of minibatch SGD (FedAvg, FedProx; Ditto's personal objective):
+
+    w_k ← w_k − lr · ∇ [ mean_{i ∈ batch} CE(f(x_i; w_k), y_i) + μ/2 ‖w_k − c‖² ]
+
+In each epoch every client shuffles its own n_k samples and cuts them into ceil(n_k / B)
+minibatches (the last one smaller), so client k takes exactly epochs · ceil(n_k / B) steps,
+the steps it would take alone (`minibatch_schedule` is the draw; it does not depend on the
+order or the set of other clients). Clients are processed by decreasing n_k, so at step j of
+an epoch the clients that still have a batch form a prefix: vmap runs on that prefix (a view)
+and clients whose epoch is done wait untouched. The compute is Σ_k n_k samples per epoch, not
+m · max_k n_k. Any model whose forward is a pure function of (params, buffers, inputs) works:
+linear and MLP heads, and BatchNorm-free CNNs (vmap turns the per-client convolutions into
+grouped ones).
+
+`lbfgs` — L-BFGS on m independent problems at once (OS-FED's per-client snapshot fits). Each
+problem keeps its own curvature history, initial scaling and backtracking (Armijo) line
+search; only the function evaluations are batched. This is exactly m independent L-BFGS runs
+(tested), unlike one L-BFGS on the summed loss: the sum of separable losses has a
+block-diagonal Hessian, but L-BFGS's history pairs and shared step length would couple the
+problems.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+
+def minibatch_schedule(
+    client_ids: Tensor, clients: Tensor, *, epochs: int, batch_size: int, generator: torch.Generator
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """Each client's minibatches, step by step: yields `(index, mask)`, both (m, B').
+
+    client_ids: (n,) int64 client of every sample; clients: (m,) the clients that train.
+    Row r holds the sample indices (into the n samples) of client `clients[r]`'s batch at this
+    step, `mask` marks the real entries (B' = min(B, max n_k)); a client with no batch left in
+    the current epoch has an all-False row. Per epoch one uniform key per sample of the whole
+    set is drawn (on `generator`, CPU) and each client takes its samples in key order: a
+    client's draws do not depend on which other clients train, nor on their order.
+    """
+    device = client_ids.device
+    num_ids = max(int(client_ids.max()), int(clients.max())) + 1
+    slot = torch.full((num_ids,), -1, dtype=torch.long, device=device)
+    slot[clients] = torch.arange(len(clients), device=device)
+    sample_slot = slot[client_ids]  # row of each sample's client, -1 if it does not train
+    mine = (sample_slot >= 0).nonzero().squeeze(1)
+    counts = torch.bincount(sample_slot[mine], minlength=len(clients))
+    first = torch.cumsum(counts, 0) - counts
+    steps_per_epoch = int(-(-counts.max() // batch_size))  # the busiest client's ceil(n_k / B)
+    width = min(batch_size, int(counts.max()))
+    for _ in range(epochs):
+        keys = torch.rand(len(client_ids), generator=generator, dtype=torch.float64).to(device)[
+            mine
+        ]
+        by_key = mine[torch.argsort(keys)]
+        order = by_key[torch.argsort(sample_slot[by_key], stable=True)]  # by client, then key
+        rank = torch.arange(len(order), device=device) - first[sample_slot[order]]
+        table = torch.full(
+            (len(clients), steps_per_epoch * batch_size), -1, dtype=torch.long, device=device
+        )
+        table[sample_slot[order], rank] = order
+        for step in range(steps_per_epoch):
+            index = table[:, step * batch_size : step * batch_size + width]
+            yield index.clamp(min=0), index >= 0
+
+
+def _per_client(value: Tensor | None, default: Tensor, m: int, name: str) -> tuple[Tensor, bool]:
+    """A shared (param-shaped) or per-client ((m, *shape)) tensor -> (tensor, is_per_client)."""
+    value = default if value is None else value
+    if value.shape == default.shape:
+        return value, False
+    if value.shape == (m, *default.shape):
+        return value, True
+    raise ValueError(
+        f"{name} must have the parameter's shape {tuple(default.shape)} or (m, *shape) "
+        f"with m = {m} clients, got {tuple(value.shape)}"
+    )
+
+
+def local_sgd(
+    model: nn.Module,
+    features: Tensor,
+    labels: Tensor,
+    client_ids: Tensor,
+    clients: Tensor,
+    *,
+    epochs: int,
+    lr: float,
+    batch_size: int,
+    generator: torch.Generator,
+    prox_mu: float = 0.0,
+    prox_center: dict[str, Tensor] | None = None,
+    init: dict[str, Tensor] | None = None,
+) -> dict[str, Tensor]:
+    """Local SGD of m clients at once; returns each client's trained parameters.
+
+    features: (n, *input_shape) inputs of all samples; labels: (n,) int64; client_ids: (n,);
+    clients: (m,) distinct client ids to train. Cross-entropy on `model`'s logits.
+    prox_mu, prox_center: adds μ/2 ‖w − c‖² (FedProx, Ditto); c defaults to the model's
+        parameters; each entry may be shared (param shape) or per client ((m, *shape)).
+    init: per-client (m, *shape) or shared starting points; default the model's parameters.
+    Returns {name: (m, *param.shape)} in the order of `clients`, detached.
+    """
+    if epochs < 0 or batch_size < 1 or not lr > 0 or prox_mu < 0:
+        raise ValueError(
+            f"local_sgd needs epochs ≥ 0, batch_size ≥ 1, lr > 0 and prox_mu ≥ 0; got "
+            f"epochs={epochs}, batch_size={batch_size}, lr={lr}, prox_mu={prox_mu}"
+        )
+    m = len(clients)
+    global_params = {name: p.detach() for name, p in model.named_parameters()}
+    buffers = {name: b.detach() for name, b in model.named_buffers()}
+    counts = torch.bincount(client_ids, minlength=int(clients.max()) + 1 if m else 1)[clients]
+    by_size = torch.argsort(
+        counts, descending=True, stable=True
+    )  # busy clients first: a prefix works
+
+    params, center, center_per_client = {}, {}, {}
+    for name, value in global_params.items():
+        start, per_client = _per_client(
+            None if init is None else init.get(name), value, m, f"init[{name!r}]"
+        )
+        params[name] = (start[by_size] if per_client else start.expand(m, *value.shape)).clone()
+        if prox_mu > 0:
+            c, per_client = _per_client(
+                None if prox_center is None else prox_center.get(name),
+                value,
+                m,
+                f"prox_center[{name!r}]",
+            )
+            center[name], center_per_client[name] = (c[by_size] if per_client else c), per_client
+
+    def loss(
+        p: dict[str, Tensor], c: dict[str, Tensor], x: Tensor, y: Tensor, weight: Tensor
+    ) -> Tensor:
+        logits = functional_call(model, (p, buffers), (x,))
+        value = (F.cross_entropy(logits, y, reduction="none") * weight).sum()
+        if prox_mu > 0:
+            value = value + 0.5 * prox_mu * sum(((p[n] - c[n]) ** 2).sum() for n in p)
+        return value
+
+    center_dims = {
+        name: 0 if per_client else None for name, per_client in center_per_client.items()
+    }
+    client_grad = vmap(grad(loss), in_dims=(0, center_dims, 0, 0, 0))
+    with torch.no_grad():
+        for index, mask in minibatch_schedule(
+            client_ids, clients[by_size], epochs=epochs, batch_size=batch_size, generator=generator
+        ):
+            active = int(mask[:, 0].sum())  # clients with a batch at this step: a prefix
+            index, mask = index[:active], mask[:active]
+            weight = mask.to(features.dtype) / mask.sum(1, keepdim=True)
+            prefix = {name: value[:active] for name, value in params.items()}
+            c = {
+                name: value[:active] if center_per_client[name] else value
+                for name, value in center.items()
+            }
+            with torch.enable_grad():
+                step = client_grad(prefix, c, features[index], labels[index], weight)
+            for name, value in prefix.items():
+                value.sub_(lr * step[name])  # in place on the prefix view
+    unsort = torch.argsort(by_size)
+    return {name: value[unsort] for name, value in params.items()}
+
+
+def lbfgs(
+    objective: Callable[[Tensor], tuple[Tensor, Tensor]],
+    start: Tensor,
+    *,
+    steps: int,
+    history: int = 10,
+    max_backtracks: int = 12,
+    armijo: float = 1e-4,
+    curvature_eps: float = 1e-10,
+) -> tuple[Tensor, Tensor]:
+    """Minimize m independent problems with L-BFGS, evaluations batched.
+
+    objective: x (m, n) -> (values (m,), gradients (m, n)), where row k of both depends only on
+        row k of x (separable problems).
+    start: (m, n). steps: L-BFGS iterations (each one line search); history: stored (s, y) pairs.
+    Per problem: direction by the two-loop recursion with H₀ = (sᵀy / yᵀy) I from the newest pair;
+    first step length min(1, 1/‖g‖₁) without history, else 1; halved until Armijo's condition
+    f(x + t d) ≤ f(x) + armijo · t · gᵀd holds. A failed line search leaves the problem where it
+    is and clears its history (the next iteration restarts from steepest descent).
+    Returns (x (m, n), values (m,)); values never increase.
+    """
+    x = start.detach().clone()
+    m, n = x.shape
+    value, gradient = objective(x)
+    s_hist = x.new_zeros(m, history, n)  # oldest ... newest along dim 1
+    y_hist = x.new_zeros(m, history, n)
+    rho = x.new_zeros(m, history)  # 1 / sᵀy, 0 for an empty slot
+    tiny = torch.finfo(x.dtype).tiny
+    for _ in range(steps):
+        # Two-loop recursion, each row with its own pairs (empty slots have rho = 0: no effect).
+        q = -gradient
+        alphas = []
+        for slot in reversed(range(history)):
+            alpha = rho[:, slot] * (s_hist[:, slot] * q).sum(1)
+            q = q - alpha[:, None] * y_hist[:, slot]
+            alphas.append(alpha)
+        newest_yy = (y_hist[:, -1] ** 2).sum(1)
+        has_history = rho[:, -1] > 0
+        scale = torch.where(
+            has_history, 1 / (rho[:, -1] * newest_yy).clamp_min(tiny), torch.ones_like(newest_yy)
+        )
+        direction = q * scale[:, None]
+        for slot, alpha in zip(range(history), reversed(alphas)):
+            beta = rho[:, slot] * (y_hist[:, slot] * direction).sum(1)
+            direction = direction + (alpha - beta)[:, None] * s_hist[:, slot]
+        # A direction that does not descend (numerical trouble) restarts from steepest descent.
+        restart = (gradient * direction).sum(1) >= 0
+        direction[restart], rho[restart] = -gradient[restart], 0
+        has_history = has_history & ~restart
+        slope = (gradient * direction).sum(1)
+        descent = slope < 0  # False only where the gradient is exactly zero
+        step = torch.where(
+            has_history,
+            torch.ones_like(slope),
+            (1 / gradient.abs().sum(1).clamp_min(tiny)).clamp(max=1),
+        )
+
+        # Backtracking, batched: rows already accepted are re-evaluated where they stand.
+        accepted = ~descent
+        new_x, new_value, new_gradient = x.clone(), value.clone(), gradient.clone()
+        for _ in range(max_backtracks):
+            trial = torch.where(accepted[:, None], new_x, x + step[:, None] * direction)
+            trial_value, trial_gradient = objective(trial)
+            ok = ~accepted & (trial_value <= value + armijo * step * slope)
+            new_x[ok], new_value[ok] = trial[ok], trial_value[ok]
+            new_gradient[ok] = trial_gradient[ok]
+            accepted = accepted | ok
+            step = torch.where(accepted, step, step / 2)
+            if bool(accepted.all()):
+                break
+        failed = ~accepted
+        # Curvature pair of the step taken; kept only when sᵀy > 0 (keeps H positive definite).
+        s, y = new_x - x, new_gradient - gradient
+        sy = (s * y).sum(1)
+        keep = accepted & descent & (sy > curvature_eps)
+        s_hist[keep] = torch.cat([s_hist[keep, 1:], s[keep, None]], 1)
+        y_hist[keep] = torch.cat([y_hist[keep, 1:], y[keep, None]], 1)
+        rho[keep] = torch.cat([rho[keep, 1:], (1 / sy[keep])[:, None]], 1)
+        rho[failed] = 0  # restart from steepest descent
+        x, value, gradient = new_x, new_value, new_gradient
+    return x, value

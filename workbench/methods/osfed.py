@@ -1,0 +1,315 @@
+"""OS-FED: each client uploads one learned snapshot per round that regenerates its update.
+
+Round t, global model w_t with loss L, sampled clients k = 1..m (sampling and local training as
+in FedAvg, workbench/methods/fedavg.py):
+
+1. Client k trains locally and gets Δw_k = w_t − w_k; its target is Δg_k = Δw_k + e_k
+   (error feedback, e_k = 0 at first).
+2. Snapshot S_k = (Z_k, ℓ_k): a grid map Z_k and M² learnable label embeddings ℓ_k (M², C).
+   The multi-grid function F(Z) gives M² synthetic inputs:
+   - images (c, H, W): Z is one (c, R, R) map cut into M×M cells of (R/M)² pixels, each
+     bilinearly upsampled to H×W;
+   - feature vectors (d,): Z is M² learnable vectors (M², d), F the identity.
+   The snapshot's gradient is g(S) = ∇_w L_S(w_t) with the soft cross-entropy
+   L_S(w) = (1/M²) Σ_i −ℓ_iᵀ log softmax(f(F(Z)_i; w)); ℓ_i is a free vector (not constrained
+   to the simplex), so the snapshot can set both the direction and the size of its gradient.
+3. S_k* = argmin_S ‖g(S) − Δg_k‖² / (‖Δg_k‖² + ε), by L-BFGS through double backprop; the
+   problems of the m clients are solved at once but independently (per-client histories and
+   line searches, workbench/federation/local_training.lbfgs). g is linear in ℓ, so the scale
+   of ℓ is solved in closed form inside the objective: with α(S) = ⟨g(S), Δg⟩ / ‖g(S)‖²,
+   L-BFGS minimizes ‖α g(S) − Δg‖² / (‖Δg‖² + ε) — the same minimum over S (α ℓ is a label
+   embedding too), without the flat start where g(S) ⟂ Δg — and the client sends α* ℓ*.
+   Start: M² inputs drawn from a Gaussian with the client's input mean and standard deviation
+   (per dimension for features, per channel for images) and labels ℓ₀ = ∂⟨g(Z₀, ℓ), Δg⟩/∂ℓ,
+   the labels whose gradient correlates most with the target (one backward; no real sample
+   or label enters the snapshot).
+4. e_k ← Δg_k − g(S_k*); client k uploads only S_k* (float32): M²·d + M²·C numbers for
+   features, c·R² + M²·C for images.
+5. Server: one forward/backward on the concatenation of the m snapshots (m·M² samples) gives
+   ∇L_mean = (1/m) Σ_k g(S_k*), and w_{t+1} = w_t − η_s ∇L_mean (η_s = `server_lr`, 1 in the
+   paper). It estimates FedAvg's w_t − (1/m) Σ_k Δw_k.
+
+Per round the method logs `osfed/match_loss` (mean over clients of the normalized matching
+loss at S*) and `osfed/residual_norm` (mean ‖e_k‖ after the round).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.func import functional_call, grad, grad_and_value, vmap
+
+from workbench.federation.compression import ErrorFeedback, as_sent
+from workbench.federation.local_training import lbfgs
+from workbench.methods.base import ClientBatch, FederatedMethod
+from workbench.methods.fedavg import SNAPSHOTS, FedAvg, round_generator
+from workbench.methods.heads import Architecture
+
+
+def multi_grid(grid_map: Tensor, grid_size: int, size: tuple[int, int]) -> Tensor:
+    """(..., c, R, R) -> (..., M², c, H, W): M×M cells of (R/M)² pixels, each upsampled to size."""
+    *lead, channels, side, _ = grid_map.shape
+    cell = side // grid_size
+    cells = grid_map.reshape(-1, channels, grid_size, cell, grid_size, cell).permute(
+        0, 2, 4, 1, 3, 5
+    )
+    cells = cells.reshape(-1, channels, cell, cell)
+    samples = F.interpolate(cells, size=size, mode="bilinear", align_corners=False)
+    return samples.reshape(*lead, grid_size * grid_size, channels, *size)
+
+
+def soft_cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
+    """mean_i −ℓ_iᵀ log softmax(z_i): (n, C), (n, C) -> ()."""
+    return -(labels * F.log_softmax(logits, dim=-1)).sum(-1).mean()
+
+
+class OSFED(FedAvg):
+    """One snapshot per round (CVPR 2026).
+
+    Args:
+        num_rounds, architecture, hidden_dim, local_epochs, lr, local_batch_size, sample_fraction,
+            server_lr, seed: as in FedAvg.
+        grid_size: M; the snapshot makes M² synthetic samples.
+        snapshot_resolution: R, side of the image snapshot map (default the image height);
+            a multiple of M. Unused for feature vectors.
+        lbfgs_steps: L-BFGS iterations per snapshot fit; lbfgs_history: its stored pairs.
+        match_eps: ε of the normalized matching loss.
+        error_feedback: carry e_k = Δg_k − g(S_k*) to the next round.
+    """
+
+    stacked_uploads = frozenset({"snapshot_inputs", "snapshot_labels"})
+
+    def __init__(
+        self,
+        num_rounds: int = 20,
+        architecture: Architecture = "mlp",
+        hidden_dim: int = 256,
+        local_epochs: int = 1,
+        lr: float = 0.05,
+        local_batch_size: int = 64,
+        sample_fraction: float = 1.0,
+        server_lr: float = 1.0,
+        grid_size: int = 2,
+        snapshot_resolution: int | None = None,
+        lbfgs_steps: int = 30,
+        lbfgs_history: int = 10,
+        match_eps: float = 1e-8,
+        error_feedback: bool = True,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(
+            num_rounds=num_rounds,
+            architecture=architecture,
+            hidden_dim=hidden_dim,
+            local_epochs=local_epochs,
+            lr=lr,
+            local_batch_size=local_batch_size,
+            sample_fraction=sample_fraction,
+            server_lr=server_lr,
+            error_feedback=error_feedback,
+            seed=seed,
+        )
+        if grid_size < 1 or lbfgs_steps < 0 or lbfgs_history < 1 or not match_eps > 0:
+            raise ValueError(
+                f"OSFED needs grid_size ≥ 1, lbfgs_steps ≥ 0, lbfgs_history ≥ 1 and match_eps > 0, "
+                f"got {grid_size}, {lbfgs_steps}, {lbfgs_history}, {match_eps}"
+            )
+        if snapshot_resolution is not None and (
+            snapshot_resolution < grid_size or snapshot_resolution % grid_size
+        ):
+            raise ValueError(
+                f"snapshot_resolution must be a multiple of grid_size = {grid_size}, "
+                f"got {snapshot_resolution}"
+            )
+        self.save_hyperparameters()  # OS-FED's own (FedAvg's compression ones do not apply)
+        self.grid_size, self.snapshot_resolution = grid_size, snapshot_resolution
+        self.lbfgs_steps, self.lbfgs_history, self.match_eps = lbfgs_steps, lbfgs_history, match_eps
+
+    def setup_problem(self, feature_dim: int, num_classes: int, num_clients: int) -> None:
+        super().setup_problem(feature_dim, num_classes, num_clients)
+        shape = self.input_shape
+        self.on_images = len(shape) == 3
+        cells = self.grid_size**2
+        if self.on_images:
+            side = self.snapshot_resolution or shape[1]
+            if side % self.grid_size:
+                raise ValueError(
+                    f"the snapshot side {side} (the image height unless snapshot_resolution is "
+                    f"set) must be a multiple of grid_size = {self.grid_size}"
+                )
+            self.snapshot_shape = (shape[0], side, side)
+        else:
+            self.snapshot_shape = (cells, *shape)
+        self.label_shape = (cells, num_classes)
+        self.snapshot_numel = torch.Size(self.snapshot_shape).numel()
+        numel = self.flat_parameters().numel()
+        self.feedback = ErrorFeedback(num_clients, numel) if self.use_error_feedback else None
+
+    # ---- the snapshot's gradient ------------------------------------------------------------
+    def synthetic_samples(self, snapshot: Tensor) -> Tensor:
+        """F(Z): (..., *snapshot_shape) -> (..., M², *input_shape)."""
+        if self.on_images:
+            return multi_grid(snapshot, self.grid_size, tuple(self.input_shape[1:]))
+        return snapshot
+
+    def snapshot_loss(self, params: dict[str, Tensor], snapshot: Tensor, labels: Tensor) -> Tensor:
+        """L_S(w) of snapshots (..., *snapshot_shape), labels (..., M², C), mean over samples."""
+        samples = self.synthetic_samples(snapshot)
+        samples = samples.reshape(-1, *self.input_shape)
+        logits = functional_call(self.net, params, (samples,))
+        return soft_cross_entropy(logits, labels.reshape(-1, labels.shape[-1]))
+
+    def synthetic_gradient(
+        self, params: dict[str, Tensor], snapshot: Tensor, labels: Tensor
+    ) -> Tensor:
+        """g(S) = ∇_w L_S(w), flattened to (P,) in the model's parameter order."""
+        grads = grad(self.snapshot_loss)(params, snapshot, labels)
+        return torch.cat([grads[name].reshape(-1) for name in params])
+
+    def gradient_match(
+        self, params: dict[str, Tensor], variables: Tensor, target: list[Tensor]
+    ) -> tuple[Tensor, Tensor]:
+        """(⟨g, Δg⟩, ‖g‖²) of one client's snapshot, summed tensor by tensor (no flat copy of g)."""
+        grads = grad(self.snapshot_loss)(params, *self.unpack(variables))
+        inner = sum((grads[name] * part).sum() for name, part in zip(params, target))
+        square = sum((grads[name] ** 2).sum() for name in params)
+        return inner, square
+
+    def parameters_now(self) -> dict[str, Tensor]:
+        return {name: p.detach() for name, p in self.net.named_parameters()}
+
+    def recover(self, snapshots: Tensor, labels: Tensor) -> Tensor:
+        """The server's recovery: ∇L_mean of the stacked snapshots: (m, ...), (m, M², C) -> (P,)."""
+        params = self.parameters_now()
+        dtype = next(iter(params.values())).dtype  # snapshots arrive as float32
+        return self.synthetic_gradient(params, snapshots.to(dtype), labels.to(dtype))
+
+    # ---- the client's compression: fit the snapshot ------------------------------------------
+    def pack(self, snapshot: Tensor, labels: Tensor) -> Tensor:
+        return torch.cat([snapshot.reshape(len(snapshot), -1), labels.reshape(len(labels), -1)], 1)
+
+    def unpack(self, variables: Tensor) -> tuple[Tensor, Tensor]:
+        lead = variables.shape[:-1]
+        snapshot, labels = variables.split(
+            [self.snapshot_numel, variables.shape[-1] - self.snapshot_numel], -1
+        )
+        return snapshot.reshape(*lead, *self.snapshot_shape), labels.reshape(
+            *lead, *self.label_shape
+        )
+
+    def matching_loss(self, snapshot: Tensor, labels: Tensor, targets: Tensor) -> Tensor:
+        """The normalized matching loss of each client: (m, ...), (m, M², C), (m, P) -> (m,)."""
+        recovered = vmap(self.synthetic_gradient, in_dims=(None, 0, 0))(
+            self.parameters_now(), snapshot, labels
+        )
+        return ((recovered - targets) ** 2).sum(1) / ((targets**2).sum(1) + self.match_eps)
+
+    def correlated_labels(self, snapshot: Tensor, targets: Tensor) -> Tensor:
+        """ℓ₀ = ∂⟨g(Z, ℓ), Δg⟩/∂ℓ (the same at every ℓ: g is linear in ℓ).
+
+        snapshot (m, *snapshot_shape), targets (m, P) -> labels (m, M², C).
+        """
+        params = self.parameters_now()
+
+        def correlation(labels: Tensor, grid_map: Tensor, target: Tensor) -> Tensor:
+            return (self.synthetic_gradient(params, grid_map, labels) * target).sum()
+
+        zeros = snapshot.new_zeros(len(snapshot), *self.label_shape)
+        return vmap(grad(correlation))(zeros, snapshot, targets)
+
+    def fit_snapshots(
+        self,
+        targets: Tensor,
+        snapshot: Tensor,
+        labels: Tensor | None = None,
+        steps: int | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """L-BFGS on each client's matching loss (label scale in closed form), all clients at once.
+
+        targets: Δg (m, P); snapshot (m, *snapshot_shape): the start; labels (m, M², C): the
+        start, by default `correlated_labels`. steps: L-BFGS iterations (default lbfgs_steps).
+        Returns (snapshot*, labels* (scaled by α), g(S*) (m, P), matching loss at S* (m,)), the
+        snapshot rounded to the float32 that is sent and g(S*) computed from it, as the server will.
+        """
+        params = self.parameters_now()
+        squares = (targets**2).sum(1)
+        tiny = torch.finfo(targets.dtype).tiny
+        target_parts = [
+            part.reshape(len(targets), *value.shape)
+            for part, value in zip(
+                targets.split([v.numel() for v in params.values()], 1), params.values()
+            )
+        ]
+
+        def matching_loss(variables: Tensor, target: list[Tensor], square: Tensor) -> Tensor:
+            # ‖α g − Δg‖² at the best α = ⟨g, Δg⟩ / ‖g‖² is ‖Δg‖² − ⟨g, Δg⟩² / ‖g‖²
+            inner, g_square = self.gradient_match(params, variables, target)
+            return (square - inner**2 / (g_square + tiny)) / (square + self.match_eps)
+
+        per_client = vmap(grad_and_value(matching_loss))
+
+        def objective(variables: Tensor) -> tuple[Tensor, Tensor]:
+            gradient, value = per_client(variables, target_parts, squares)
+            return value, gradient
+
+        if labels is None:
+            labels = self.correlated_labels(snapshot, targets)
+        variables, _ = lbfgs(
+            objective,
+            self.pack(snapshot, labels),
+            history=self.lbfgs_history,
+            steps=self.lbfgs_steps if steps is None else steps,
+        )
+        snapshot, labels = self.unpack(variables)
+        snapshot = as_sent(snapshot)
+        unscaled = vmap(self.synthetic_gradient, in_dims=(None, 0, 0))(params, snapshot, labels)
+        alpha = (unscaled * targets).sum(1) / ((unscaled**2).sum(1) + tiny)  # the label scale
+        labels = as_sent(labels * alpha[:, None, None])
+        recovered = vmap(self.synthetic_gradient, in_dims=(None, 0, 0))(params, snapshot, labels)
+        loss = ((recovered - targets) ** 2).sum(1) / (squares + self.match_eps)
+        return snapshot, labels, recovered, loss
+
+    def initial_snapshots(self, batch: ClientBatch, clients: Tensor) -> Tensor:
+        """Random start (m, *snapshot_shape): inputs ~ N(client mean, client std²), per dimension
+        for features, per channel for images."""
+        generator = round_generator(self.seed, self.round, SNAPSHOTS)
+        m = len(clients)
+        slot = torch.full((self.num_clients,), -1, dtype=torch.long, device=clients.device)
+        slot[clients] = torch.arange(m, device=clients.device)
+        rows = slot[batch.client_ids]
+        mine = rows >= 0
+        # (n, d, 1) for features, (n, c, H·W) for images: moments per dimension / per channel
+        x = batch.features[mine].reshape(int(mine.sum()), *self.input_shape[:1], -1)
+        rows = rows[mine]
+        count = torch.bincount(rows, minlength=m).clamp_min(1).to(x.dtype)
+        mean = x.new_zeros(m, *x.shape[1:]).index_add_(0, rows, x).mean(-1) / count[:, None]
+        square = x.new_zeros(m, *x.shape[1:]).index_add_(0, rows, x**2).mean(-1) / count[:, None]
+        std = (square - mean**2).clamp_min(0).sqrt()
+        noise = torch.randn(m, *self.snapshot_shape, generator=generator, dtype=torch.float32).to(x)
+        if self.on_images:  # per channel
+            return mean[:, :, None, None] + std[:, :, None, None] * noise
+        return mean[:, None, :] + std[:, None, :] * noise  # per dimension
+
+    def encode_updates(
+        self, clients: Tensor, updates: Tensor, batch: ClientBatch
+    ) -> dict[str, Tensor]:
+        """Fit S_k* to Δg_k = Δw_k + e_k, keep e_k ← Δg_k − g(S_k*), upload the snapshots."""
+        targets = self.feedback.target(clients, updates) if self.feedback is not None else updates
+        snapshot, labels, recovered, loss = self.fit_snapshots(
+            targets, self.initial_snapshots(batch, clients)
+        )
+        if self.feedback is not None:
+            self.feedback.keep(clients, targets, recovered)
+        residual = targets - recovered
+        self.round_metrics["osfed/match_loss"] = float(loss.mean())
+        self.round_metrics["osfed/residual_norm"] = float(residual.norm(dim=1).mean())
+        return {"snapshot_inputs": snapshot.float(), "snapshot_labels": labels.float()}
+
+    def upload_bytes_per_client(self, uploads: dict[str, Tensor]) -> int:
+        # one stacked row, the snapshot (not FedAvg's compressor count)
+        return FederatedMethod.upload_bytes_per_client(self, uploads)
+
+    def server_step(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, Tensor]:
+        self.apply_update(self.recover(uploads["snapshot_inputs"], uploads["snapshot_labels"]))
+        return {"weights": self.flat_parameters()}
