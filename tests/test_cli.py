@@ -39,6 +39,15 @@ def test_fit_logs_accuracy_bytes_and_time_and_reruns_into_the_same_folder(tmp_pa
     assert "test accuracy" in out and str(runs[-1]) in out
 
 
+def test_model_and_data_settings_are_logged_apart_even_when_they_share_a_key(tmp_path):
+    # DeepAFL and the data module both take `seed`; different values are a normal experiment.
+    main(["fit", *TINY, "--model=DeepAFL", "--model.num_layers=1", "--model.hidden_dim=16",
+          "--model.block_dim=16", "--model.seed=3", f"--run_dir={tmp_path}"])
+    hparams = yaml.safe_load((last_run(tmp_path) / "hparams.yaml").read_text())
+    assert hparams["model"]["seed"] == 3 and hparams["data"]["seed"] == 0
+    assert hparams["model"]["class"] == "DeepAFL" and hparams["data"]["num_clients"] == 10
+
+
 def test_test_subcommand_reloads_a_fitted_checkpoint(tmp_path):
     main(["fit", *TINY, f"--run_dir={tmp_path}"])
     fitted = last_run(tmp_path)

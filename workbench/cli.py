@@ -18,7 +18,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from workbench.data import FederatedDataModule
 from workbench.methods import FederatedMethod
-from workbench.runlog import make_loggers, print_summary
+from workbench.runlog import log_hparams, make_loggers, print_summary
 
 
 class WorkbenchCLI(LightningCLI):
@@ -42,7 +42,14 @@ class WorkbenchCLI(LightningCLI):
             kwargs.setdefault("default_root_dir", loggers[0].log_dir)
         return super().instantiate_trainer(**kwargs)
 
+    def before_fit(self) -> None:
+        log_hparams(self.trainer, self.model, self.datamodule)
+
+    def before_test(self) -> None:
+        log_hparams(self.trainer, self.model, self.datamodule)
+
     def before_validate(self) -> None:
+        log_hparams(self.trainer, self.model, self.datamodule)
         if self.datamodule.hparams.val_fraction == 0:
             raise ValueError("there is no validation split to validate on: set data.val_fraction "
                              "(e.g. 0.1) to hold out part of the training pool, or run `test`")

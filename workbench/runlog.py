@@ -45,6 +45,22 @@ def make_loggers(method, datamodule, *, run_dir: str, run_name: str | None, wand
     return loggers
 
 
+def log_hparams(trainer, method, datamodule) -> None:
+    """Logs the method's and the data's settings nested as `model.*` and `data.*`.
+
+    Lightning would merge both into one flat dict and refuse keys they share with different
+    values (`model.seed` ≠ `data.seed` is a normal experiment), so its merge is turned off.
+    """
+    method._log_hyperparams = datamodule._log_hyperparams = False
+    def public(hparams) -> dict:  # without the CLI's `_class_path`/`_instantiator` entries
+        return {key: value for key, value in hparams.items() if not key.startswith("_")}
+
+    hparams = {"model": {"class": type(method).__name__, **public(method.hparams_initial)},
+               "data": public(datamodule.hparams_initial)}
+    for logger in trainer.loggers:
+        logger.log_hyperparams(hparams)
+
+
 def save_per_client_table(table: dict[str, list], trainer) -> None:
     """Per-client accuracies: `per_client_acc.csv` in the run folder and a W&B table."""
     columns = list(table)
