@@ -9,6 +9,8 @@ accuracy on their own local test data. Methods (one fit each per setting):
   "AnaPFL global branch" is the same fit's main branch alone (λ = 0), scored on the local tests.
 - AFL: one global ridge head on the backbone features (γ = 1 RI, γ_out = 1), scored on the local tests.
 - Local-only: each client's own ridge head on its backbone features (γ = 1), nothing sent.
+- Ditto: a FedAvg MLP head (global) + each client's personal MLP head pulled towards it (λ = 0.1),
+  20 rounds; "Ditto global model" is the same fit's FedAvg model, scored on the local tests.
 
 Reported: mean / min local accuracy, global test accuracy (for local-only: the mean of the
 client heads' logits), rounds, bytes uploaded by all clients, and the method's fit time
@@ -38,20 +40,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning import Trainer
 
 from workbench.data import FederatedDataModule
-from workbench.methods import AFL, AnaPFL, LocalOnly
+from workbench.methods import AFL, AnaPFL, Ditto, LocalOnly
 
-# The methods compared: name -> a fresh model. A new baseline is one more line here
-# (its rows then appear in the table), e.g. Ditto once it exists:
-#     "Ditto": lambda: Ditto(...),
+# The methods compared: name -> a fresh model. A new baseline is one more line here (its rows
+# then appear in the table). Ditto's settings are those of benchmarks/communication.py's FedAvg
+# (MLP head 1280 → 64 → 10, one local epoch of SGD, lr 0.05, batch 64), 20 rounds, λ = 0.1;
+# set once, not tuned per setting.
 METHODS = {
     "AnaPFL": lambda: AnaPFL(hidden_dim=1024, gamma=1e-2, gamma_out=1e-2, beta=1.0),
     "AFL": lambda: AFL(gamma=1.0, gamma_out=1.0),
     "Local-only": lambda: LocalOnly(gamma=1.0),
+    "Ditto": lambda: Ditto(lam=0.1, num_rounds=20, architecture="mlp", hidden_dim=64, lr=0.05,
+                           local_batch_size=64),
 }
 
 
-def quiet_trainer() -> Trainer:
-    return Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+GLOBAL_PART = {"AnaPFL": "global branch", "Ditto": "global model"}  # its model without personalization
+
+
+def quiet_trainer(rounds: int) -> Trainer:
+    return Trainer(max_epochs=rounds, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                    enable_model_summary=False, num_sanity_val_steps=0)
 
 
@@ -65,7 +73,7 @@ def local_mean_accuracy(logits: torch.Tensor, labels: torch.Tensor, client_ids: 
 def run(name: str, dm: FederatedDataModule) -> list[dict]:
     """Fit and test one method on one setting -> table rows."""
     method = METHODS[name]()
-    trainer = quiet_trainer()
+    trainer = quiet_trainer(method.num_rounds)
     cpu_start = time.process_time()
     trainer.fit(method, datamodule=dm)
     fit_cpu_s = time.process_time() - cpu_start
@@ -75,13 +83,14 @@ def run(name: str, dm: FederatedDataModule) -> list[dict]:
            "global": result["test/acc"], "rounds": int(fit["comm/rounds"]), "bytes_up": fit["comm/bytes_up"],
            "fit_s": fit["time/fit_s"], "fit_cpu_s": fit_cpu_s, "note": ""}
     rows = [row]
-    if isinstance(method, AnaPFL):
-        row["note"] = f"λ = {fit['anapfl/lambda']:.1f}"
-        with torch.no_grad():  # the same fit's main branch alone, on every client's local test
-            main_branch = torch.cat([method(x) for x in dm.local_test_features.split(8192)])
-        rows.append({**row, "method": "AnaPFL global branch", "note": "λ = 0, same fit",
-                     "local_mean": local_mean_accuracy(main_branch, dm.local_test_labels, dm.local_test_client_ids,
-                                                       dm.num_clients),
+    if isinstance(method, (AnaPFL, Ditto)):
+        if isinstance(method, AnaPFL):
+            row["note"] = f"λ = {fit['anapfl/lambda']:.1f}"
+        with torch.no_grad():  # the same fit's global model alone, on every client's local test
+            global_logits = torch.cat([method(x) for x in dm.local_test_features.split(8192)])
+        rows.append({**row, "method": f"{name} {GLOBAL_PART[name]}", "note": "same fit",
+                     "local_mean": local_mean_accuracy(global_logits, dm.local_test_labels,
+                                                       dm.local_test_client_ids, dm.num_clients),
                      "local_min": float("nan")})
     return rows
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 from lightning import Trainer
 
 os.environ["WANDB_MODE"] = "disabled"  # tests never talk to W&B
@@ -21,3 +22,13 @@ def fit(method, datamodule):
 @pytest.fixture
 def fit_method():
     return fit
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """For modules of tiny problems (`pytestmark = pytest.mark.usefixtures("one_thread")`): one
+    thread spares every op the thread pool's wake-up cost."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -25,14 +25,7 @@ BLOBS = SyntheticBlobs(num_classes=4, dim=8, train_size=600, test_size=200, seed
 SMALL = dict(architecture="mlp", hidden_dim=8, lr=0.1, local_batch_size=32)
 P = 8 * 8 + 8 + 8 * 4 + 4  # parameters of the 8 → 8 → 4 MLP
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These problems are tiny: one thread spares every op the thread pool's wake-up cost."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def data(num_clients: int = 5, partition: str = "iid", **kw) -> FederatedDataModule:

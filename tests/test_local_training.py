@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_fedavg import one_thread  # noqa: F401  (tiny problems run on one torch thread)
 
 from workbench.federation.local_training import lbfgs, local_sgd, minibatch_schedule
 from workbench.methods.heads import build_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def toy_clients(n: int = 400, d: int = 6, num_classes: int = 4, dtype=torch.float64):

@@ -6,7 +6,7 @@ import csv
 
 import pytest
 import torch
-from test_fedavg import fake_images, one_thread  # noqa: F401  (a tiny image dataset, one torch thread)
+from test_fedavg import fake_images  # a tiny image dataset
 
 from workbench.cli import main
 from workbench.data import FederatedDataModule, SyntheticBlobs
@@ -15,6 +15,7 @@ from workbench.federation.local_training import local_sgd
 from workbench.methods import OSFED, ClientBatch
 from workbench.methods.osfed import multi_grid
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 BLOBS = SyntheticBlobs(num_classes=4, dim=8, train_size=400, test_size=200, seed=0)
 
 

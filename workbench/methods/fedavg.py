@@ -34,7 +34,7 @@ from workbench.methods.base import ClientBatch, FederatedMethod
 from workbench.methods.heads import Architecture, build_model
 
 Compression = Literal["none", "topk", "quantize"]
-SAMPLING, MINIBATCHES, SNAPSHOTS = 0, 1, 2  # the random streams of a round
+SAMPLING, MINIBATCHES, SNAPSHOTS, PERSONAL = 0, 1, 2, 3  # the random streams of a round
 
 
 def round_generator(seed: int, round_index: int, stream: int) -> torch.Generator:
@@ -145,6 +145,14 @@ class FedAvg(FederatedMethod):
             ],
             1,
         )
+
+    def unflatten(self, flat: Tensor) -> dict[str, Tensor]:
+        """(m, P) -> per-client parameter dict {name: (m, *shape)}, views of `flat`."""
+        params, start = {}, 0
+        for name, p in self.net.named_parameters():
+            params[name] = flat[:, start:start + p.numel()].view(len(flat), *p.shape)
+            start += p.numel()
+        return params
 
     def apply_update(self, update: Tensor) -> None:
         """w ← w − η_s · update, update (P,)."""

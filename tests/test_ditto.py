@@ -1,0 +1,113 @@
+"""Ditto: FedAvg's global model untouched, personal models pulled towards it, bytes, predictions."""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_fedavg import ROOT, SMALL, data, fit64
+from torch.func import functional_call
+
+from workbench.cli import main
+from workbench.data import FederatedDataModule, SyntheticBlobs
+from workbench.methods import Ditto, FedAvg
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def fitted(method, **data_kwargs):
+    dm = data(num_clients=5, partition="dirichlet", alpha=0.3, **data_kwargs)
+    fit64(method, dm)
+    return method, dm
+
+
+def test_the_global_model_and_the_bytes_are_fedavgs():
+    """The personal steps draw their own random stream and never touch w."""
+    ditto, _ = fitted(Ditto(lam=1.0, num_rounds=3, seed=2, **SMALL))
+    fedavg, _ = fitted(FedAvg(num_rounds=3, seed=2, **SMALL))
+    torch.testing.assert_close(ditto.flat_parameters(), fedavg.flat_parameters(), rtol=0, atol=0)
+    for key in ("comm/bytes_up", "comm/bytes_down", "comm/rounds"):
+        assert ditto.fit_metrics[key] == fedavg.fit_metrics[key]
+
+
+def initial_weights(seed: int, num_clients: int = 5) -> torch.Tensor:
+    """w₀ of the SMALL head on the 8-d, 4-class blobs: (P,) float64."""
+    method = FedAvg(num_rounds=1, seed=seed, **SMALL)
+    method.setup_problem(8, 4, num_clients)
+    return method.flat_parameters().double()
+
+
+def test_personal_models_stay_nearer_the_global_model_as_lambda_grows():
+    """One round: the centre of the pull is w₀, so ‖v_k − w₀‖ shrinks as λ grows."""
+    distances = []
+    for lam in (0.0, 1.0, 4.0, 9.0):
+        method, _ = fitted(Ditto(lam=lam, num_rounds=1, local_epochs=3, seed=1, **SMALL))
+        distances.append((method.personal - initial_weights(seed=1)).norm(dim=1))
+    for weaker, stronger in zip(distances, distances[1:]):
+        assert (stronger < weaker).all()
+    assert (distances[-1] < 0.5 * distances[0]).all()
+
+
+def test_without_the_pull_personal_models_ignore_the_global_training():
+    """λ = 0 is local-only SGD from w₀: changing the global step size changes w, not v_k."""
+    slow, _ = fitted(Ditto(lam=0.0, num_rounds=2, seed=3, server_lr=0.5, **SMALL))
+    fast, _ = fitted(Ditto(lam=0.0, num_rounds=2, seed=3, server_lr=1.0, **SMALL))
+    assert not torch.allclose(slow.flat_parameters(), fast.flat_parameters())
+    torch.testing.assert_close(slow.personal, fast.personal, rtol=0, atol=0)
+
+
+def test_only_sampled_clients_train_their_personal_model():
+    method = Ditto(lam=0.5, num_rounds=1, sample_fraction=0.4, seed=0, **SMALL)
+    drawn = []
+    original = method.sample_clients
+    method.sample_clients = lambda: drawn.append(original()) or drawn[-1]
+    fit64(method, data(num_clients=5))
+    assert torch.equal(drawn[0], drawn[1])  # the personal and the global step: the same clients
+    moved = (method.personal != initial_weights(seed=0)).any(dim=1)
+    assert moved.nonzero().squeeze(1).tolist() == drawn[0].tolist()
+
+
+def test_each_client_predicts_with_its_personal_model():
+    method, dm = fitted(Ditto(lam=0.5, num_rounds=2, seed=0, **SMALL), personalized=True)
+    features, client_ids = dm.local_test_features.double(), dm.local_test_client_ids
+    logits = method.predict_clients(features, client_ids)
+    for client in range(5):
+        params = {name: value[0] for name, value in method.unflatten(method.personal[client:client + 1]).items()}
+        mine = client_ids == client
+        torch.testing.assert_close(logits[mine], functional_call(method.net, params, (features[mine],)))
+
+
+def test_personalization_beats_the_global_model_on_skewed_clients():
+    """Overlapping classes, two per client: each client's own model only has to tell its two
+    apart, which the global model, facing all four, cannot do as well."""
+    dm = FederatedDataModule(dataset="synthetic", num_clients=6, partition="pathological",
+                             num_classes_per_partition=2, personalized=True,
+                             synthetic=SyntheticBlobs(num_classes=4, dim=8, train_size=1200,
+                                                      separation=2.0, seed=0))
+    dm.setup()
+    method = Ditto(lam=0.1, num_rounds=5, local_epochs=2, seed=0, **SMALL)
+    fit64(method, dm)
+    features, labels, client_ids = dm.local_test_features.double(), dm.local_test_labels, dm.local_test_client_ids
+    personal = method.predict_clients(features, client_ids).argmax(1).eq(labels).double().mean()
+    global_ = method(features).argmax(1).eq(labels).double().mean()
+    assert personal > global_ + 0.05
+
+
+def test_bad_settings_name_the_fix():
+    with pytest.raises(ValueError, match="lower lam or personal_lr"):
+        Ditto(lam=50.0, lr=0.1)
+    with pytest.raises(ValueError, match="personal_epochs"):
+        Ditto(personal_epochs=0)
+
+
+def test_cli_fit_logs_local_accuracy(tmp_path):
+    cli = main(["fit", "--model=Ditto", "--model.num_rounds=2", "--model.hidden_dim=8", "--model.lam=0.5",
+                "--data=FederatedDataModule", "--data.dataset=synthetic", "--data.num_clients=4",
+                "--data.personalized=true", "--trainer.enable_progress_bar=false", f"--run_dir={tmp_path}"])
+    metrics = cli.trainer.callback_metrics
+    assert 0 < float(metrics["test/acc_local_mean"]) <= 1 and "test/acc" in metrics
+    assert next(tmp_path.glob("*/version_0/per_client_acc.csv")).exists()
+
+
+def test_config_parses(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--config", str(ROOT / "configs/ditto_fashion.yaml"), "--print_config"])
+    assert done.value.code == 0 and "lam: 0.1" in capsys.readouterr().out
