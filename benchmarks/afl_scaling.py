@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ import torch
 os.environ.setdefault("WANDB_MODE", "disabled")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import machine_line, write_report  # noqa: E402
 from lightning import Trainer  # noqa: E402
 
 from workbench.backbones import build_backbone  # noqa: E402
@@ -117,23 +117,16 @@ def main() -> None:
         ("(c) extraction img/s / bare forward img/s",
          f"{len(raw) / ours_s:.0f} / {len(raw) / bare_s:.0f}", bare_s / ours_s, "≥ 0.9"),
     ]
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() \
-        else platform.processor()
     lines = [
         f"Dataset {args.dataset} ({n} train samples), backbone {args.backbone} at {args.input_size} px, "
         f"d = {d}; extraction timed on {len(raw)} images.",
-        f"Machine: {cpu}, {os.cpu_count()} cores, torch {torch.__version__} with {torch.get_num_threads()} "
-        f"threads; median of {args.repeats} repeats.",
+        machine_line(f"median of {args.repeats} repeats"),
         "",
         "| measure | times | ratio | goal |",
         "|---|---|---|---|",
         *[f"| {name} | {times} | {ratio:.2f} | {goal} |" for name, times, ratio, goal in rows],
     ]
-    report = "\n".join(lines)
-    print(report)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(report + "\n")
+    write_report(lines, args.out)
 
 
 if __name__ == "__main__":

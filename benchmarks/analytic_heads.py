@@ -17,17 +17,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 import warnings
 from pathlib import Path
 
-import torch
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import machine_line, write_report  # noqa: E402
 from lightning import Callback, Trainer  # noqa: E402
 
 from workbench.data import FederatedDataModule  # noqa: E402
@@ -131,8 +130,7 @@ def main() -> None:
     lines = [
         f"Dataset {args.dataset}, efficientnet_lite0 at {args.input_size} px; DeepAFL h = f = {args.hidden}; "
         "γ = 1 (and γ_out = 1 for AFL/SAFLe).",
-        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__} "
-        f"with {torch.get_num_threads()} threads; one fit each.",
+        machine_line("one fit each"),
         "",
         "Test accuracy (%) per partition (partition = scheme:K):",
         "",
@@ -149,10 +147,7 @@ def main() -> None:
     for m in methods:
         lines.append(f"| {m} | " + " | ".join(f"{by_key[(p, m)][5]:.1f}" if (p, m) in by_key else "–"
                                                for p in partitions) + " |")
-    report = "\n".join(lines)
-    print(report)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(report + "\n")
+    write_report(lines, args.out)
 
 
 if __name__ == "__main__":

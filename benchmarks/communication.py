@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import platform
 import sys
 import time
 import warnings
@@ -29,6 +28,7 @@ import torch
 os.environ.setdefault("WANDB_MODE", "disabled")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import machine_line, write_report  # noqa: E402
 from lightning import Callback, Trainer  # noqa: E402
 
 from workbench.data import FederatedDataModule  # noqa: E402
@@ -272,18 +272,6 @@ def main() -> None:
             "",
         ]
 
-    cpu = (
-        next(
-            (
-                line.split(":", 1)[1].strip()
-                for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")
-            ),
-            platform.processor(),
-        )
-        if Path("/proc/cpuinfo").exists()
-        else platform.processor()
-    )
     total = time.perf_counter() - start
     header = [
         "Accuracy against upload bytes; one client's upload per round, the total upload of all "
@@ -294,16 +282,10 @@ def main() -> None:
         f"MLP head 1280 → {args.hidden_dim} → 10; OS-FED: {args.lbfgs_steps} L-BFGS iterations "
         "per round, error feedback (EF) on as for top-k and quantization unless the row says "
         "no EF. Hyperparameters were set once for all methods, not tuned per method.",
-        f"Machine: {cpu}, {os.cpu_count()} cores (shared with other work while this ran), "
-        f"torch {torch.__version__} with {torch.get_num_threads()} threads; "
-        f"whole benchmark {total / 60:.1f} min.",
+        machine_line(f"whole benchmark {total / 60:.1f} min"),
         "",
     ]
-    report = "\n".join(header + lines)
-    print(report)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(report + "\n")
+    out = write_report(header + lines, args.out)
     plot(curves, out.with_suffix(".png"))
 
 

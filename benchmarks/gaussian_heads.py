@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import platform
 import sys
 import time
 import warnings
@@ -34,6 +33,7 @@ import torch
 os.environ.setdefault("WANDB_MODE", "disabled")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import load_average, machine_line, write_report  # noqa: E402
 from lightning import Trainer  # noqa: E402
 
 from workbench.data import FederatedDataModule  # noqa: E402
@@ -88,7 +88,7 @@ def main() -> None:
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*(configure_optimizers|LeafSpec|Total length).*")
     run_start = time.perf_counter()
-    load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    load_start = load_average()
 
     fishermix = replace(DEFAULT_FISHERMIX, epochs=args.fishermix_epochs)
     proto_hyper = replace(DEFAULT_PROTO_HYPER, epochs=args.proto_hyper_epochs)
@@ -175,12 +175,6 @@ def main() -> None:
     afl_spread = (max(acc[a, "no sketch"]["afl"] for a in args.alphas)
                   - min(acc[a, "no sketch"]["afl"] for a in args.alphas))
 
-    cpuinfo = Path("/proc/cpuinfo")
-    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-                if line.startswith("model name")), None) if cpuinfo.exists() else None
-    load_end = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    load = (f", load average {load_start:.1f} at the start and {load_end:.1f} at the end"
-            if load_start is not None else "")
     s = DEFAULT_SYNTHESIS
     sizes = ", ".join(f"{smallest_client[a]} at α = {a}" for a in args.alphas)
     setup = (f"GH-OFL heads, FedCGS and AFL on {args.dataset} ({num_train} train samples), "
@@ -192,9 +186,8 @@ def main() -> None:
              f"(τ = {s.tau}, energy {s.energy}), FisherMix {fishermix.epochs} epochs, Proto-Hyper "
              f"{proto_hyper.epochs} epochs (method defaults: {DEFAULT_FISHERMIX.epochs} and "
              f"{DEFAULT_PROTO_HYPER.epochs}), FedCGS ridge 0; AFL γ = 1, γ_out = 1.")
-    machine = (f"Machine: {cpu or platform.processor()}, {os.cpu_count()} cores{load}, torch "
-               f"{torch.__version__} with {torch.get_num_threads()} threads; one fit per setting; "
-               f"whole run {time.perf_counter() - run_start:.0f} s.")
+    machine = machine_line(f"one fit per setting; whole run {time.perf_counter() - run_start:.0f} s",
+                           load_at_start=load_start)
     head_claim = f"- Every GH head beats FedCGS in every setting: {'yes' if every_head else 'no'}"
     if not every_head:
         head_claim += f" (not always: {', '.join(losers)})"
@@ -231,10 +224,7 @@ def main() -> None:
         head_claim + ".",
         alpha_claim,
     ]
-    report = "\n".join(lines)
-    print(report)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(report + "\n")
+    write_report(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import platform
 import sys
 import time
 import warnings
@@ -37,6 +36,7 @@ import torch
 os.environ.setdefault("WANDB_MODE", "disabled")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import load_average, machine_line, write_report
 from lightning import Trainer
 
 from workbench.data import FederatedDataModule
@@ -95,16 +95,6 @@ def run(name: str, dm: FederatedDataModule) -> list[dict]:
     return rows
 
 
-def machine_line() -> str:
-    cpu = platform.processor()
-    if Path("/proc/cpuinfo").exists():
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), cpu)
-    load = f", load average {os.getloadavg()[0]:.1f} at start" if hasattr(os, "getloadavg") else ""
-    return (f"Machine: {cpu}, {os.cpu_count()} cores{load}, torch {torch.__version__} with "
-            f"{torch.get_num_threads()} threads; one fit per cell.")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", default="fashion_mnist")
@@ -119,7 +109,7 @@ def main() -> None:
                    ".*Total length of .* across ranks is zero", ".*LeafSpec.*"):
         warnings.filterwarnings("ignore", message=notice)
 
-    machine = machine_line()
+    load_start = load_average()
     start = time.perf_counter()
     rows, sizes, totals = [], {}, set()
     for num_clients in args.clients:
@@ -146,7 +136,7 @@ def main() -> None:
          f"local test data, the rest its training data ({min(t for t, _ in totals)}–{max(t for t, _ in totals)} "
          f"training and {min(n for _, n in totals)}–{max(n for _, n in totals)} local test samples in all, "
          "by setting); Dirichlet partition seed 0."),
-        machine + f" Whole script: {time.perf_counter() - start:.0f} s.",
+        machine_line(f"one fit per cell; whole script {time.perf_counter() - start:.0f} s", load_start),
         "",
         ("Accuracy in %: local = mean over clients of the accuracy on their own local test data "
          "(min = the worst client); global = the global test set (10k) with `forward` "
@@ -174,10 +164,7 @@ def main() -> None:
                 refinement = ours["local_mean"] - cell["AnaPFL global branch"]["local_mean"]
                 lines.append(f"| {num_clients} | {alpha} | {100 * (ours['local_mean'] - best['local_mean']):+.2f} | "
                              f"{best['method']} | {100 * refinement:+.2f} | {ours['note'].removeprefix('λ = ')} |")
-    report = "\n".join(lines)
-    print(report)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(report + "\n")
+    write_report(lines, args.out)
 
 
 if __name__ == "__main__":

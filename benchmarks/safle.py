@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
-import platform
 import statistics
 import sys
 import time
@@ -28,6 +27,7 @@ import torch
 os.environ.setdefault("WANDB_MODE", "disabled")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import machine_line, write_report  # noqa: E402
 from lightning import Trainer  # noqa: E402
 
 from workbench.data import FederatedDataModule  # noqa: E402
@@ -117,8 +117,7 @@ def main() -> None:
     lines = [
         f"Dataset {args.dataset} ({n} train / {len(datamodule.test_labels)} test samples), backbone "
         f"{args.backbone} at {args.input_size} px, d = {d}.",
-        f"Machine: {machine()}, {os.cpu_count()} cores, torch {torch.__version__} with "
-        f"{torch.get_num_threads()} threads; median of {args.repeats} repeats.",
+        machine_line(f"median of {args.repeats} repeats"),
         "",
         f"(a) Gram ΦᵀΦ on {len(features)} samples, float64 (binary_overlap L=8, fixed thresholds):",
         "",
@@ -139,19 +138,7 @@ def main() -> None:
             *[f"| {label} | {r['rows'] or '–'} | {100 * r['acc']:.2f} % | {r['up_mb']:.1f} "
               f"| {r['rounds']:.0f} | {r['fit_s']:.1f} |" for label, r in results],
         ]
-    report = "\n".join(lines)
-    print(report)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(report + "\n")
-
-
-def machine() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor()
+    write_report(lines, args.out)
 
 
 if __name__ == "__main__":
