@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning import Trainer
+from lightning import Callback, Trainer
 
 from workbench.cli import main
 from workbench.data import FederatedDataModule, SyntheticBlobs
@@ -166,6 +166,28 @@ def test_fit_runs_2t_plus_1_rounds_and_reports_every_depth(fit_method):
     assert method.depth_accuracy[-1] == pytest.approx(test, abs=1e-6)
     first = (method.features_at_depth(dm.test_features, 0) @ method.classifier[0]).argmax(1)
     assert method.depth_accuracy[0] == pytest.approx(float((first == dm.test_labels).double().mean()))
+
+
+class ValAccuracies(Callback):
+    def on_validation_epoch_end(self, trainer, module):
+        self.values = getattr(self, "values", []) + [float(trainer.callback_metrics["val/acc"])]
+
+
+def test_validation_while_fitting_scores_the_model_of_every_round(fit_method):
+    """Validation during the fit advances a kept Φ one layer per depth; its accuracies must be
+    those of the model itself, as a plain forward of each depth gives them."""
+    dm = data(partition="iid", num_clients=3, batch_size=64, val_fraction=0.2)
+    method, seen = DeepAFL(num_layers=2, **SMALL), ValAccuracies()
+    Trainer(max_epochs=method.num_rounds, logger=False, enable_checkpointing=False, callbacks=[seen],
+            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0).fit(method, datamodule=dm)
+
+    def accuracy(depth: int) -> float:
+        phi = method.features_at_depth(dm.val_features, depth)
+        return float(((phi @ method.classifier[depth]).argmax(1) == dm.val_labels).double().mean())
+
+    depths = [max(r - 1, 0) // 2 for r in range(1, method.num_rounds + 1)]  # the model after each round
+    assert seen.values == pytest.approx([accuracy(t) for t in depths], abs=1e-6)
+    assert len(dm.val_labels) > 64  # several validation batches, each with its own kept Φ
 
 
 def test_a_resumed_fit_gives_the_same_model(fit_method, tmp_path):

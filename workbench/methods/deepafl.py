@@ -120,8 +120,9 @@ class DeepAFL(FederatedMethod):
         self.depth_accuracy: list[float] = []
         self._train_phi: Tensor | None = None  # Φ of every training sample, see `client_step`
         self._train_phi_depth: int | None = None
-        self._test_phi: Tensor | None = None
-        self._test_phi_depth: int | None = None
+        # Φ of evaluation data while fitting, advanced one layer per depth instead of rebuilt:
+        # key ("test",) or ("val", batch index) -> (depth, Φ)
+        self._eval_phi: dict[tuple, tuple[int, Tensor]] = {}
 
     @property
     def num_rounds(self) -> int:
@@ -191,8 +192,8 @@ class DeepAFL(FederatedMethod):
         self.depth_accuracy = []
 
     def on_train_end(self) -> None:
-        self._train_phi = self._test_phi = None  # per-sample state is only needed while fitting
-        self._train_phi_depth = self._test_phi_depth = None
+        self._train_phi, self._train_phi_depth = None, None  # only needed while fitting
+        self._eval_phi = {}
 
     def _previous_features(self, batch: ClientBatch, depth: int) -> Tensor:
         """Φ_depth of the batch's samples: from the cache, or rebuilt when a fit was resumed."""
@@ -241,18 +242,31 @@ class DeepAFL(FederatedMethod):
         if self.round % 2 == 1:  # a classifier W_t was just solved
             self._log_depth(self.depth)
 
+    def _evaluation_features(self, key: tuple, features: Tensor, depth: int) -> Tensor:
+        """Φ_depth of evaluation data (n, d) -> (n, h), one layer on from the previous depth's
+        Φ when it is kept under `key`: evaluating every depth costs T layers, not T²/2."""
+        kept_depth, phi = self._eval_phi.get(key, (None, None))
+        if kept_depth != depth:
+            phi = (self.next_features(phi, depth) if depth > 0 and kept_depth == depth - 1
+                   else self.features_at_depth(features, depth))
+            self._eval_phi[key] = (depth, phi)
+        return phi
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        if self.round == 0 or self.trainer.state.fn != "fit":  # `validate` after a fit: no cache
+            return super().validation_step(batch, batch_idx)
+        phi = self._evaluation_features(("val", batch_idx), batch["features"], self.depth)
+        self.val_acc((phi @ self.classifier[self.depth]).argmax(dim=1), batch["labels"])
+        self.log("val/acc", self.val_acc, on_step=False, on_epoch=True)
+
     @torch.no_grad()
     def _log_depth(self, depth: int) -> None:
         """Test accuracy of depth `depth`, advancing the test set's Φ by one layer."""
         data = self.trainer.datamodule
         if getattr(data, "test_features", None) is None:
             return
-        if self._test_phi_depth == depth - 1 and depth > 0:
-            self._test_phi = self.next_features(self._test_phi, depth)
-        else:
-            self._test_phi = self.features_at_depth(data.test_features.to(self.device), depth)
-        self._test_phi_depth = depth
-        predicted = (self._test_phi @ self.classifier[depth]).argmax(dim=1)
+        phi = self._evaluation_features(("test",), data.test_features.to(self.device), depth)
+        predicted = (phi @ self.classifier[depth]).argmax(dim=1)
         accuracy = float((predicted == data.test_labels.to(self.device)).double().mean())
         self.depth_accuracy.append(accuracy)
         metrics = {"depth/test_acc": accuracy, "depth/depth": float(depth),
