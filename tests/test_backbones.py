@@ -270,3 +270,21 @@ def test_preprocessing_overrides_are_honored() -> None:
         build_backbone("resnet18", pretrained=False, std=(0.2, 0.0, 0.2))
     with pytest.raises(ValueError, match="mean"):
         build_backbone("resnet18", pretrained=False, mean=(0.5, 0.5))
+
+
+# --- precision ---------------------------------------------------------------------------------
+
+
+def test_bf16_extraction_stays_close_and_stores_float32(resnet18_seed1: Backbone) -> None:
+    from workbench.data.features import extract_features
+
+    small = with_preprocessing(resnet18_seed1, input_size=64)
+    images = torch.randint(0, 256, (4, 40, 40), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(0))
+    full = extract_features(small, images, batch_size=4)
+    bf16 = extract_features(small, images, batch_size=4, precision="bf16")
+    assert full.dtype == bf16.dtype == torch.float32 and bf16.shape == (4, 512)
+    assert not torch.equal(full, bf16)  # the autocast really ran
+    assert torch.nn.functional.cosine_similarity(full, bf16).min() > 0.99
+    with pytest.raises(ValueError, match=r"precision must be one of \['float32', 'bf16'\]"):
+        extract_features(small, images, precision="fp16")

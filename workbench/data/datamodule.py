@@ -1,4 +1,4 @@
-"""FederatedDataModule: raw data -> cached backbone features -> clients."""
+"""FederatedDataModule: raw data (images or texts) -> cached backbone features -> clients."""
 from __future__ import annotations
 
 import math
@@ -90,19 +90,27 @@ class FederatedDataModule(LightningDataModule):
     A method with `whole_round_batch = True` gets the whole training set as one batch.
 
     Args:
-        dataset: a name from `workbench.data.datasets.list_datasets()`, or `synthetic`.
+        dataset: a name from `workbench.data.datasets.list_datasets()` (image or text), or
+            `synthetic`.
         data_dir: where raw datasets are looked for (and downloaded to with `download`).
         download: allow torchvision to download a missing dataset (needs internet).
         inputs: `features` (cached backbone features, (n, d)) or `images`: the raw images at
             their native size as float (n, c, H, W) scaled to [-1, 1], no backbone (for models
             that train on pixels, e.g. a small CNN); `backbone`, `input_size`, `mean` and `std`
             are then unused.
-        backbone: `efficientnet_lite0` (packaged ImageNet weights) or any timm model name.
+        backbone: for an image dataset `efficientnet_lite0` (packaged ImageNet weights) or any
+            timm model name; for a text dataset a text backbone (`all_minilm_l6_v2`, `gpt2`, ...:
+            `list_backbones(modality="text")`).
         pretrained: load pretrained weights (else a seeded random init, for smoke tests).
-        weights_path: a local weights file for the backbone.
-        input_size, mean, std: preprocessing; default to the backbone's own.
+        weights_path: a local weights file for an image backbone, a model directory for a text one.
+        input_size, mean, std: image preprocessing; default to the backbone's own.
+        max_length, pooling: text tokenization length and token pooling; default to the
+            backbone's own (256 tokens; mean pooling).
+        precision: `float32`, or `bf16` for a bfloat16-autocast forward (faster only on hardware
+            with native bfloat16; features are stored float32 either way, and the precision is
+            part of the cache key).
         cache_dir: where extracted features are stored.
-        extract_batch_size: images per backbone forward.
+        extract_batch_size: images or texts per backbone forward.
         device: device of the backbone forward (`auto`: CUDA when present).
         num_clients: K.
         partition: `iid`, `dirichlet`, `shard` or `pathological`; the parameters below that
@@ -130,6 +138,9 @@ class FederatedDataModule(LightningDataModule):
         input_size: int | None = None,
         mean: tuple[float, float, float] | None = None,
         std: tuple[float, float, float] | None = None,
+        max_length: int | None = None,
+        pooling: str | None = None,
+        precision: Literal["float32", "bf16"] = "float32",
         cache_dir: str = "~/.cache/workbench/features",
         extract_batch_size: int = 256,
         device: str = "auto",
@@ -167,6 +178,8 @@ class FederatedDataModule(LightningDataModule):
             raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
         if batch_size < 1 or extract_batch_size < 1:
             raise ValueError("batch_size and extract_batch_size must be ≥ 1")
+        if precision not in ("float32", "bf16"):
+            raise ValueError(f"data.precision must be 'float32' or 'bf16', got {precision!r}")
         self.save_hyperparameters()
         self.args = self.hparams
         self.synthetic = synthetic
@@ -209,6 +222,14 @@ class FederatedDataModule(LightningDataModule):
         if not self._ready:
             raise RuntimeError("call setup() on the data module first")
 
+    def prepare_data(self) -> None:
+        # With several processes Lightning runs this on one process per node while the others
+        # wait: it extracts and caches the backbone features once, and every process's `setup`
+        # then reads them from the cache.
+        several = getattr(self.trainer, "world_size", 1) > 1
+        if several and not self._ready and self.args.dataset != "synthetic" and self.args.inputs == "features":
+            self._backbone_features()
+
     def setup(self, stage: str | None = None) -> None:
         if self._ready:
             return
@@ -241,27 +262,41 @@ class FederatedDataModule(LightningDataModule):
         self._ready = True
 
     def _backbone_features(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        from workbench.backbones import build_backbone
-        from workbench.data.datasets import load_dataset
+        from workbench.backbones import backbone_modality, build_backbone, list_backbones
+        from workbench.data.datasets import dataset_modality, load_dataset
         from workbench.data.features import cached_features
 
         args = self.args
+        kind = dataset_modality(args.dataset)
+        if backbone_modality(args.backbone) != kind:  # checked before anything heavy is loaded
+            choices = ", ".join(list_backbones(modality=kind))
+            raise ValueError(
+                f"dataset '{args.dataset}' holds {kind}s but backbone '{args.backbone}' is not a "
+                f"{kind} backbone; set data.backbone to one of {choices}"
+                + (" or any timm model name" if kind == "image" else ""))
         data = load_dataset(args.dataset, data_dir=args.data_dir, download=args.download)
         self._num_classes = len(data.classes)
         backbone = build_backbone(args.backbone, pretrained=args.pretrained, weights_path=args.weights_path,
-                                  input_size=args.input_size, mean=args.mean, std=args.std)
+                                  input_size=args.input_size, mean=args.mean, std=args.std,
+                                  max_length=args.max_length, pooling=args.pooling)
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         splits = []
         for split_name, split in (("train", data.train), ("test", data.test)):
-            features = cached_features(backbone, split.images, split.labels, cache_dir=args.cache_dir,
+            inputs = split.texts if kind == "text" else split.images
+            features = cached_features(backbone, inputs, split.labels, cache_dir=args.cache_dir,
                                        dataset=args.dataset, split=split_name, source=data.source,
-                                       batch_size=args.extract_batch_size, device=device)
+                                       batch_size=args.extract_batch_size, device=device,
+                                       precision=args.precision)
             splits += [features, split.labels]
         return tuple(splits)
 
     def _images(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Raw images as float (n, c, H, W) in [-1, 1] (a fixed, data-free scaling)."""
-        from workbench.data.datasets import load_dataset
+        from workbench.data.datasets import dataset_modality, load_dataset
+
+        if dataset_modality(self.args.dataset) != "image":
+            raise ValueError(f"data.inputs=images needs an image dataset; '{self.args.dataset}' "
+                             f"holds texts: use data.inputs=features with a text backbone")
 
         data = load_dataset(self.args.dataset, data_dir=self.args.data_dir, download=self.args.download)
         self._num_classes = len(data.classes)
@@ -281,11 +316,16 @@ class FederatedDataModule(LightningDataModule):
     # ---- loaders ----------------------------------------------------------------------------
     def train_dataloader(self) -> DataLoader:
         method = self.trainer.lightning_module if self.trainer is not None else None
+        rows = slice(None)
+        if getattr(self.trainer, "world_size", 1) > 1:  # this process's whole clients
+            from workbench.federation.distributed import client_shard
+
+            rows = client_shard(self.train_client_ids, self.trainer.global_rank, self.trainer.world_size)
         whole_round = getattr(method, "whole_round_batch", False)  # all clients in one step
         batch_size = max(len(self.train_labels), 1) if whole_round else self.args.batch_size
-        return DataLoader(FeatureBatches(batch_size, features=self.train_features,
-                                         labels=self.train_labels, client_ids=self.train_client_ids,
-                                         sample_index=torch.arange(len(self.train_labels))),
+        return DataLoader(FeatureBatches(batch_size, features=self.train_features[rows],
+                                         labels=self.train_labels[rows], client_ids=self.train_client_ids[rows],
+                                         sample_index=torch.arange(len(self.train_labels))[rows]),
                           batch_size=None)
 
     def val_dataloader(self) -> DataLoader | list:

@@ -1,9 +1,9 @@
-"""Registry of raw labelled image datasets.
+"""Registry of raw labelled datasets: images here, texts in `workbench.data.text`.
 
-Every dataset loads into the same layout: uint8 images of shape (N, H, W) for
-grayscale or (N, H, W, 3) for RGB, and int64 labels of shape (N,). Loaders never
-fall back to other data silently: a dataset that is not on disk raises an error
-that says how to get it.
+Every image dataset loads into the same layout: uint8 images of shape (N, H, W) for
+grayscale or (N, H, W, 3) for RGB, and int64 labels of shape (N,); a text dataset holds
+strings instead of images (`TextDataset`). Loaders never fall back to other data silently:
+a dataset that is not on disk raises an error that says how to get it.
 """
 
 from __future__ import annotations
@@ -13,10 +13,13 @@ import hashlib
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Literal
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from workbench.data.text import TextDataset
 
 __all__ = [
     "ImageSplit",
@@ -24,6 +27,7 @@ __all__ = [
     "IdxFormatError",
     "load_dataset",
     "list_datasets",
+    "dataset_modality",
     "register_dataset",
     "read_idx",
 ]
@@ -100,17 +104,25 @@ class ImageDataset:
         return len(self.classes)
 
 
-DatasetLoader = Callable[[Path, bool], ImageDataset]
+DatasetLoader = Callable[[Path, bool], "ImageDataset | TextDataset"]
+Modality = Literal["image", "text"]
 _REGISTRY: dict[str, DatasetLoader] = {}
+_MODALITIES: dict[str, Modality] = {}
 
 
-def register_dataset(name: str) -> Callable[[DatasetLoader], DatasetLoader]:
-    """Register `loader(data_dir: Path, download: bool) -> ImageDataset` under `name`."""
+def register_dataset(
+    name: str, modality: Modality = "image"
+) -> Callable[[DatasetLoader], DatasetLoader]:
+    """Register `loader(data_dir: Path, download: bool) -> ImageDataset` under `name`
+    (`-> TextDataset` with modality `text`)."""
+    if modality not in ("image", "text"):
+        raise ValueError(f"modality must be 'image' or 'text', got {modality!r}")
 
     def decorator(loader: DatasetLoader) -> DatasetLoader:
         if name in _REGISTRY:
             raise ValueError(f"dataset {name!r} is already registered")
         _REGISTRY[name] = loader
+        _MODALITIES[name] = modality
         return loader
 
     return decorator
@@ -121,12 +133,22 @@ def list_datasets() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def load_dataset(
-    name: str, data_dir: str | Path = DEFAULT_DATA_DIR, download: bool = False
-) -> ImageDataset:
-    """Load dataset `name` from `data_dir`, downloading it first only if `download` is set."""
+def dataset_modality(name: str) -> Modality:
+    """`image` or `text` for a registered dataset name, without loading it."""
+    _check_name(name)
+    return _MODALITIES[name]
+
+
+def _check_name(name: str) -> None:
     if name not in _REGISTRY:
         raise ValueError(f"unknown dataset {name!r}; available: {', '.join(list_datasets())}")
+
+
+def load_dataset(
+    name: str, data_dir: str | Path = DEFAULT_DATA_DIR, download: bool = False
+) -> ImageDataset | TextDataset:
+    """Load dataset `name` from `data_dir`, downloading it first only if `download` is set."""
+    _check_name(name)
     return _REGISTRY[name](Path(data_dir).expanduser(), download)
 
 
@@ -406,3 +428,7 @@ def _load_svhn(data_dir: Path, download: bool) -> ImageDataset:
         to_split=lambda raw: _owned_split(raw.data.transpose(0, 2, 3, 1), raw.labels),
         classes=DIGIT_CLASSES,
     )
+
+
+# The text datasets register themselves into the same registry.
+import workbench.data.text  # noqa: E402,F401

@@ -2,8 +2,16 @@
 
 A cache file holds the features of one (dataset, split, backbone, weights, transform); its
 name carries a hash of all of these and the file repeats the full key, so a file is only
-ever used for exactly the inputs that produced it. Writes are atomic (temp file + rename);
-a corrupt or mismatched file is reported and rebuilt.
+ever used for exactly the inputs that produced it. For a text backbone the transform is the
+tokenizer (a hash of it), max_length, pooling and normalization. Writes are atomic (temp file +
+rename); a corrupt or mismatched file is reported and rebuilt.
+
+Precision: the forward runs in float32, or with `precision="bf16"` under bfloat16 autocast
+(convolutions and matrix products in bfloat16, other ops as torch.autocast decides); features
+are stored float32 either way. bf16 is not the default: on CPUs without native bfloat16
+instructions it is several times slower (benchmarks/backbones.py measures it). The precision
+enters the key only when it is not float32, so float32 keys are the ones written before the
+option existed and old caches stay valid.
 """
 from __future__ import annotations
 
@@ -13,6 +21,8 @@ import os
 import tempfile
 import time
 import warnings
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
@@ -21,6 +31,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 CACHE_FORMAT = 1  # bump when the file layout or the preprocessing changes
+PRECISIONS = ("float32", "bf16")
 
 
 def preprocess(images: Tensor, input_size: int, mean: tuple, std: tuple) -> Tensor:
@@ -40,15 +51,27 @@ def preprocess(images: Tensor, input_size: int, mean: tuple, std: tuple) -> Tens
     return x.permute(0, 3, 1, 2)
 
 
+def check_precision(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
+    return precision
+
+
+def autocast(precision: str, device: str) -> AbstractContextManager:
+    """bfloat16 autocast for `bf16`, a no-op context for `float32`."""
+    device_type = torch.device(device).type
+    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=check_precision(precision) == "bf16")
+
+
 @torch.inference_mode()
 def extract_features(backbone, images: Tensor, batch_size: int = 256, device: str = "cpu",
-                     desc: str = "features") -> Tensor:
+                     desc: str = "features", precision: str = "float32") -> Tensor:
     """Run the frozen backbone over uint8 `images` (N, H, W[, 3]) -> float32 features (N, D)."""
     # channels_last: convolution kernels on CPU run several times faster in this layout.
     model = backbone.model.to(device, memory_format=torch.channels_last).eval()
     out = torch.empty(len(images), backbone.feature_dim, dtype=torch.float32)
     start = time.perf_counter()
-    with tqdm(total=len(images), desc=desc, unit="img", leave=False) as bar:
+    with tqdm(total=len(images), desc=desc, unit="img", leave=False) as bar, autocast(precision, device):
         for lo in range(0, len(images), batch_size):
             batch = preprocess(images[lo:lo + batch_size], backbone.input_size, backbone.mean, backbone.std)
             batch = batch.to(device, memory_format=torch.channels_last)
@@ -56,6 +79,34 @@ def extract_features(backbone, images: Tensor, batch_size: int = 256, device: st
             bar.update(len(batch))
     rate = len(images) / max(time.perf_counter() - start, 1e-9)
     print(f"[workbench] extracted {desc}: {len(images)} images, {rate:.0f} images/s")
+    return out
+
+
+@torch.inference_mode()
+def extract_text_features(backbone, texts: Sequence[str], batch_size: int = 64, device: str = "cpu",
+                          desc: str = "features", precision: str = "float32") -> Tensor:
+    """Run a frozen TextBackbone over `texts` (N strings) -> float32 features (N, D).
+
+    Texts are tokenized once (right-padded), then batched in order of token count and cut to the
+    batch's longest, so a batch carries little padding; rows come back in the input order.
+    """
+    model = backbone.model.to(device).eval()
+    out = torch.empty(len(texts), backbone.feature_dim, dtype=torch.float32)
+    if not len(texts):
+        return out
+    start = time.perf_counter()
+    tokens = backbone.tokenize(texts)  # input_ids, attention_mask: (N, L)
+    lengths = tokens["attention_mask"].sum(dim=1)
+    order = torch.argsort(lengths, stable=True)
+    with tqdm(total=len(texts), desc=desc, unit="text", leave=False) as bar, autocast(precision, device):
+        for lo in range(0, len(texts), batch_size):
+            rows = order[lo:lo + batch_size]
+            width = int(lengths[rows].max())
+            batch = {name: t[rows, :width].to(device) for name, t in tokens.items()}
+            out[rows] = model(**batch).float().cpu()
+            bar.update(len(rows))
+    rate = len(texts) / max(time.perf_counter() - start, 1e-9)
+    print(f"[workbench] extracted {desc}: {len(texts)} texts, {rate:.0f} texts/s")
     return out
 
 
@@ -106,15 +157,33 @@ def _write_atomic(path: Path, blob: dict) -> None:
         raise
 
 
-def cached_features(backbone, images: Tensor, labels: Tensor, *, cache_dir: str | Path,
-                    dataset: str, split: str, source: str, batch_size: int = 256,
-                    device: str = "cpu") -> Tensor:
-    """Features of `images` (N, ...) from the cache, extracting and storing them when absent."""
-    key = cache_key(dataset=dataset, source=source, split=split, num_samples=len(labels),
-                    backbone=backbone.name, weights=backbone.weights_id,
-                    transform={"input_size": backbone.input_size, "mean": list(backbone.mean),
-                               "std": list(backbone.std), "resize": "bilinear-antialias",
-                               "gray": "repeat-3"})
+def is_text_backbone(backbone) -> bool:
+    """Duck-typed (a TextBackbone tokenizes), so this module need not import the backbones."""
+    return hasattr(backbone, "tokenize")
+
+
+def transform_fields(backbone) -> dict:
+    """What turns one raw input into the backbone's input, for the cache key."""
+    if is_text_backbone(backbone):
+        return {"tokenizer": backbone.tokenizer_id, "max_length": backbone.max_length,
+                "pooling": backbone.pooling, "normalize": backbone.normalize}
+    return {"input_size": backbone.input_size, "mean": list(backbone.mean), "std": list(backbone.std),
+            "resize": "bilinear-antialias", "gray": "repeat-3"}
+
+
+def cached_features(backbone, inputs: Tensor | Sequence[str], labels: Tensor, *,
+                    cache_dir: str | Path, dataset: str, split: str, source: str,
+                    batch_size: int = 256, device: str = "cpu", precision: str = "float32") -> Tensor:
+    """Features of `inputs` from the cache, extracting and storing them when absent.
+
+    inputs: uint8 images (N, ...) for an image backbone, N strings for a text backbone.
+    """
+    fields = dict(dataset=dataset, source=source, split=split, num_samples=len(labels),
+                  backbone=backbone.name, weights=backbone.weights_id,
+                  transform=transform_fields(backbone))
+    if check_precision(precision) != "float32":
+        fields["precision"] = precision
+    key = cache_key(**fields)
     path = cache_path(cache_dir, dataset, split, backbone.name, key)
     if path.exists():
         try:
@@ -122,6 +191,7 @@ def cached_features(backbone, images: Tensor, labels: Tensor, *, cache_dir: str 
         except ValueError as why:
             warnings.warn(f"feature cache {path} is corrupt or mismatched ({why}); rebuilding it",
                           stacklevel=2)
-    features = extract_features(backbone, images, batch_size, device, desc=f"{dataset}/{split}")
+    extract = extract_text_features if is_text_backbone(backbone) else extract_features
+    features = extract(backbone, inputs, batch_size, device, desc=f"{dataset}/{split}", precision=precision)
     _write_atomic(path, {"key": key, "features": features, "labels": labels.clone()})
     return features
