@@ -32,3 +32,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def add_dataset(monkeypatch):
+    """`add_dataset(name, loader, modality="image")` registers a dataset for one test only."""
+    from workbench.data import datasets
+
+    def add(name: str, loader, modality: str = "image") -> None:
+        monkeypatch.setitem(datasets._REGISTRY, name, loader)
+        monkeypatch.setitem(datasets._MODALITIES, name, modality)
+
+    return add

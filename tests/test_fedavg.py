@@ -206,8 +206,8 @@ def fake_images(data_dir, download):
     )
 
 
-def test_raw_images_feed_a_cnn(monkeypatch, fit_method):
-    monkeypatch.setitem(dataset_registry._REGISTRY, "tiny_images", fake_images)
+def test_raw_images_feed_a_cnn(add_dataset, fit_method):
+    add_dataset("tiny_images", fake_images)
     dm = FederatedDataModule(dataset="tiny_images", inputs="images", num_clients=3, partition="iid")
     dm.setup()
     assert dm.input_shape == (1, 8, 8) and dm.feature_dim == 64

@@ -10,7 +10,6 @@ from test_fedavg import fake_images  # a tiny image dataset
 
 from workbench.cli import main
 from workbench.data import FederatedDataModule, SyntheticBlobs
-from workbench.data import datasets as dataset_registry
 from workbench.federation.local_training import local_sgd
 from workbench.methods import OSFED, ClientBatch
 from workbench.methods.osfed import multi_grid
@@ -223,8 +222,8 @@ def test_uploads_are_the_snapshot_bytes_and_training_learns(fit_method):
     assert trainer.test(method, datamodule=dm, verbose=False)[0]["test/acc"] > 0.8
 
 
-def test_cnn_snapshots_on_raw_images(monkeypatch, fit_method):
-    monkeypatch.setitem(dataset_registry._REGISTRY, "tiny_images", fake_images)
+def test_cnn_snapshots_on_raw_images(add_dataset, fit_method):
+    add_dataset("tiny_images", fake_images)
     dm = FederatedDataModule(dataset="tiny_images", inputs="images", num_clients=3, partition="iid")
     method = OSFED(
         num_rounds=2,

@@ -9,6 +9,8 @@ when no API key is configured).
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
 import warnings
@@ -17,6 +19,7 @@ from pathlib import Path
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from workbench.data import FederatedDataModule
+from workbench.federation import Federation
 from workbench.methods import FederatedMethod
 from workbench.runlog import log_hparams, make_loggers, print_summary
 
@@ -28,11 +31,20 @@ class WorkbenchCLI(LightningCLI):
         parser.add_argument("--wandb", default="auto", choices=["auto", "online", "offline", "disabled"],
                             help="W&B mode; auto = online when an API key is configured, else offline")
         parser.add_argument("--wandb_project", default="workbench")
+        parser.add_argument("--engine", default="lightning", choices=["lightning", "flower"],
+                            help="who runs a fit's rounds: lightning (in this process) or flower (a Flower "
+                                 "ServerApp and ClientApps, simulated locally on Ray; pip install -e '.[flower]')")
+        parser.add_argument("--federation", type=Federation, default=Federation(),
+                            help="protocol settings: dropout, secure_aggregation, fixed_point_bits, dp_sigma, seed")
 
     def instantiate_trainer(self, **kwargs):
         config = self._get(self.config_init, "trainer", default={})
         if config.get("max_epochs") is None:  # one epoch is one round
             kwargs["max_epochs"] = self.model.num_rounds
+        if config.get("strategy") == "ddp":  # Lightning's DDP, splitting clients instead of samples
+            from workbench.federation.distributed import FederatedDDPStrategy
+
+            kwargs["strategy"] = FederatedDDPStrategy()
         if config.get("logger") in (None, True):
             loggers = make_loggers(self.model, self.datamodule, run_dir=self._get(self.config, "run_dir"),
                                    run_name=self._get(self.config, "run_name"),
@@ -43,6 +55,7 @@ class WorkbenchCLI(LightningCLI):
         return super().instantiate_trainer(**kwargs)
 
     def before_fit(self) -> None:
+        self.model.federation = self._get(self.config_init, "federation")
         log_hparams(self.trainer, self.model, self.datamodule)
 
     def before_test(self) -> None:
@@ -54,6 +67,19 @@ class WorkbenchCLI(LightningCLI):
             raise ValueError("there is no validation split to validate on: set data.val_fraction "
                              "(e.g. 0.1) to hold out part of the training pool, or run `test`")
 
+    def fit(self, model, datamodule=None, **kwargs) -> None:
+        """The rounds run in this process (Lightning's loop) or over Flower (`--engine flower`)."""
+        if self._get(self.config, "engine") != "flower":
+            self.trainer.fit(model, datamodule=datamodule, **kwargs)
+            return
+        from workbench.federation import flower  # an optional extra: its import says how to install it
+
+        if kwargs.get("ckpt_path") is not None:
+            raise ValueError("the Flower engine fits a fresh model: drop ckpt_path")
+        traffic = flower.fit(self.trainer, model, datamodule)
+        print(f"Flower carried {traffic.bytes_up / 1e6:,.3f} MB up, {traffic.bytes_down / 1e6:,.3f} MB down "
+              f"(serialized arrays; down = the learned state); {traffic.wall_s:.1f} s with its start-up")
+
     def after_fit(self) -> None:
         if self.trainer.interrupted:
             return
@@ -62,7 +88,10 @@ class WorkbenchCLI(LightningCLI):
         checkpoint = Path(self.trainer.log_dir) / "model.ckpt"
         self.trainer.save_checkpoint(checkpoint)
         self.trainer.test(self.model, datamodule=self.datamodule, verbose=False)
-        print_summary(self.trainer, self.model, checkpoint)
+        # Every process takes part (reading trainer.log_dir is a collective); only rank 0 prints.
+        quiet = contextlib.nullcontext() if self.trainer.is_global_zero else contextlib.redirect_stdout(io.StringIO())
+        with quiet:
+            print_summary(self.trainer, self.model, checkpoint)
 
 
 def main(args: list[str] | None = None) -> WorkbenchCLI:

@@ -46,7 +46,7 @@ def make_loggers(method, datamodule, *, run_dir: str, run_name: str | None, wand
 
 
 def log_hparams(trainer, method, datamodule) -> None:
-    """Logs the method's and the data's settings nested as `model.*` and `data.*`.
+    """Logs the method's, the data's and the protocol's settings as `model.*`, `data.*`, `federation.*`.
 
     Lightning would merge both into one flat dict and refuse keys they share with different
     values (`model.seed` ≠ `data.seed` is a normal experiment), so its merge is turned off.
@@ -56,7 +56,8 @@ def log_hparams(trainer, method, datamodule) -> None:
         return {key: value for key, value in hparams.items() if not key.startswith("_")}
 
     hparams = {"model": {"class": type(method).__name__, **public(method.hparams_initial)},
-               "data": public(datamodule.hparams_initial)}
+               "data": public(datamodule.hparams_initial),
+               "federation": vars(method.federation)}  # dropouts, secure aggregation, noise
     for logger in trainer.loggers:
         logger.log_hyperparams(hparams)
 

@@ -1,4 +1,5 @@
-"""What crosses the wire between clients and server, and how many bytes it costs."""
+"""What crosses the wire between clients and server, how many bytes it costs, and the protocol around it."""
 from workbench.federation.messages import message_bytes, messages_bytes
+from workbench.federation.protocol import Federation
 
-__all__ = ["message_bytes", "messages_bytes"]
+__all__ = ["Federation", "message_bytes", "messages_bytes"]

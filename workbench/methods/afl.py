@@ -7,12 +7,25 @@ removes the K·γ it received and solves
     W = (Σ_k (G_k + γI) − Kγ I + γ_out I)⁻¹ Σ_k H_k,
 
 which is ridge regression with `γ_out` on the pooled data, whatever the partition.
+
+The fitted model keeps the pooled statistics G = Σ_k G_k and H = Σ_k H_k (buffers `pooled_gram`,
+`pooled_cross`, with the number of clients in `pooled_clients`), so clients can join a finished
+model or leave it exactly, without a new round:
+
+    afl.add_clients(uploads, num_clients)      G += Σ_j (G_j + γI) − mγI,  H += Σ_j H_j, re-solve
+    afl.remove_clients(uploads, num_clients)   G −= ...,                  H −= ...,       re-solve
+
+`uploads` is what those m clients upload (`client_step` on their data, summed over them: its
+"gram" includes each client's γI once, as in the round). Both equal a refit from scratch on the
+resulting set of clients. A server can only remove a client whose statistics it is given (e.g.
+kept by the client): the round's sum does not reveal them.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from workbench.federation.privacy import safe_ridge
 from workbench.linalg import class_sums, identity_like, solve_spd
 from workbench.methods.base import ClientBatch, FederatedMethod
 
@@ -25,6 +38,9 @@ class AFL(FederatedMethod):
         gamma_out: γ_out, the ridge regularization of the final solve (0 = least squares).
         bias: append a constant-1 feature.
         dtype: dtype of the statistics and the solve (and so of what is sent).
+
+    Buffers: `weight` W (d [+1], C); `pooled_gram` Σ_k G_k (d [+1], d [+1]) and `pooled_cross`
+    Σ_k H_k (d [+1], C), without any γ; `pooled_clients`, the number of clients in them.
     """
 
     symmetric_uploads = frozenset({"gram"})
@@ -41,6 +57,10 @@ class AFL(FederatedMethod):
     def setup_problem(self, feature_dim: int, num_classes: int, num_clients: int) -> None:
         side = feature_dim + int(self.bias)
         self.register_buffer("weight", torch.zeros(side, num_classes, dtype=self.stat_dtype))
+        # the pooled statistics, kept so that clients can join or leave the fitted model
+        self.register_buffer("pooled_gram", torch.zeros(side, side, dtype=self.stat_dtype))
+        self.register_buffer("pooled_cross", torch.zeros(side, num_classes, dtype=self.stat_dtype))
+        self.register_buffer("pooled_clients", torch.zeros((), dtype=torch.long))
 
     def design(self, features: Tensor) -> Tensor:
         """(n, d) -> (n, d [+1]) in the statistics dtype."""
@@ -56,9 +76,55 @@ class AFL(FederatedMethod):
         return {"gram": gram, "cross": class_sums(x, batch.labels, self.num_classes)}
 
     def server_step(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, Tensor]:
-        gram = uploads["gram"] + (self.gamma_out - num_clients * self.gamma) * identity_like(uploads["gram"])
-        self.weight = solve_spd(gram, uploads["cross"], what="AFL's aggregated Gram matrix")
+        self.pooled_gram = uploads["gram"] - num_clients * self.gamma * identity_like(uploads["gram"])
+        self.pooled_cross = uploads["cross"].clone()
+        self.pooled_clients.fill_(num_clients)
+        self.weight = self.solve()
         return {"weight": self.weight}
+
+    def solve(self) -> Tensor:
+        """W = (G + γ_out I)⁻¹ H from the pooled statistics: (d [+1], C)."""
+        gram = self.pooled_gram + self.gamma_out * identity_like(self.pooled_gram)
+        sigma = self.federation.dp_sigma
+        if sigma > 0 and int(torch.linalg.cholesky_ex(gram).info) != 0:
+            raise ValueError(
+                f"AFL's aggregated Gram matrix is indefinite after the differential-privacy noise "
+                f"(federation.dp_sigma = {sigma:g}): set model.gamma_out ≥ {safe_ridge(sigma, len(gram)):.4g} "
+                f"(σ(2√d + 8), above the noise's most negative eigenvalue), which keeps it positive definite")
+        return solve_spd(gram, self.pooled_cross, what="AFL's aggregated Gram matrix")
+
+    def add_clients(self, uploads: dict[str, Tensor], num_clients: int) -> None:
+        """Add m = `num_clients` clients to the fitted model and re-solve (equals a refit with them).
+
+        uploads: their uploads summed over them, as `client_step` returns them: "gram"
+            Σ_j (G_j + γI) (d [+1], d [+1]) and "cross" Σ_j H_j (d [+1], C).
+        """
+        self._update_pool(uploads, num_clients, sign=1)
+
+    def remove_clients(self, uploads: dict[str, Tensor], num_clients: int) -> None:
+        """Remove m = `num_clients` clients from the fitted model and re-solve (equals a refit without them).
+
+        uploads: the uploads they contributed, summed over them (as in `add_clients`).
+        """
+        self._require_fitted()
+        if num_clients > int(self.pooled_clients):
+            raise ValueError(f"cannot remove {num_clients} clients from a model of {int(self.pooled_clients)}")
+        self._update_pool(uploads, num_clients, sign=-1)
+
+    def _update_pool(self, uploads: dict[str, Tensor], num_clients: int, sign: int) -> None:
+        self._require_fitted()
+        side, classes = self.pooled_cross.shape
+        if not {"gram", "cross"} <= set(uploads) or uploads["gram"].shape != (side, side) \
+                or uploads["cross"].shape != (side, classes):
+            raise ValueError(f"uploads must hold 'gram' ({side}, {side}) and 'cross' ({side}, {classes}) as "
+                             f"client_step returns them, got { {k: tuple(v.shape) for k, v in uploads.items()} }")
+        if num_clients < 1:
+            raise ValueError(f"num_clients must be ≥ 1 (the clients the uploads sum over), got {num_clients}")
+        gram = uploads["gram"].to(self.pooled_gram) - num_clients * self.gamma * identity_like(self.pooled_gram)
+        self.pooled_gram = self.pooled_gram + sign * gram
+        self.pooled_cross = self.pooled_cross + sign * uploads["cross"].to(self.pooled_cross)
+        self.pooled_clients += sign * num_clients
+        self.weight = self.solve()
 
     def forward(self, features: Tensor) -> Tensor:
         """Logits: (n, d) -> (n, C)."""

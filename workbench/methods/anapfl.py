@@ -125,8 +125,8 @@ class AnaPFL(AFL):
         broadcast = super().server_step(uploads, num_clients)
         return {**broadcast, "seed": torch.tensor(self.seed, dtype=torch.int64)}  # P_g as its seed
 
-    def _finish_round(self) -> None:
-        super()._finish_round()
+    def after_broadcast(self) -> None:
+        super().after_broadcast()
         solve_on_clients(self, self.fit_local_branch)
 
     @torch.no_grad()

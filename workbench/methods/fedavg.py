@@ -162,12 +162,17 @@ class FedAvg(FederatedMethod):
 
     # ---- one round ----------------------------------------------------------------------------
     def sample_clients(self) -> Tensor:
-        """(m,) sorted ids of this round's clients."""
+        """(m,) sorted ids of this round's clients: the sampled ones that did not drop out."""
         m = max(1, round(self.sample_fraction * self.num_clients))
         chosen = torch.randperm(
             self.num_clients, generator=round_generator(self.seed, self.round, SAMPLING)
-        )[:m]
-        return chosen.sort().values.to(self.device)
+        )[:m].sort().values.to(self.device)
+        chosen = chosen[~self.dropped_clients[chosen]]  # `federation.dropout`: they never upload
+        if len(chosen) == 0:
+            raise RuntimeError(
+                f"every client sampled in round {self.round} dropped out: lower federation.dropout "
+                "or raise sample_fraction")
+        return chosen
 
     def on_train_epoch_start(self) -> None:
         super().on_train_epoch_start()

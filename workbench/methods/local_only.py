@@ -76,8 +76,8 @@ class LocalOnly(FederatedMethod):
     def server_step(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, Tensor]:
         return {}
 
-    def _finish_round(self) -> None:
-        super()._finish_round()
+    def after_broadcast(self) -> None:
+        super().after_broadcast()
         solve_on_clients(self, self.fit_heads)
         self.fit_metrics["comm/rounds"] = 0.0  # the pass over the data was local work only
 

@@ -1,0 +1,102 @@
+"""Several processes under Lightning's DDP: whole clients per process, uploads combined across processes.
+
+A round's uploads are sums over clients, so a multi-process round is: every process runs the
+client steps of its own clients (a disjoint set of whole clients, `client_shard`), the partial
+sums are all-reduced, and every process runs the same server step on the same total, ending
+with the same model (rank 0's model is then broadcast, so GPU kernels that are not bitwise
+reproducible cannot make processes drift apart). Features are extracted once: with several
+processes the data module's `prepare_data` extracts and caches them on one process per node
+while the others wait, and every process's `setup` reads the cache.
+
+Whole clients matter: a client cut across processes would add a per-client term (AFL's γI) twice,
+and Lightning's DistributedSampler pads its shards by repeating samples, which a sum would count
+twice. `FederatedDDPStrategy` is therefore Lightning's `DDPStrategy` (the process launch, the
+process group — gloo on CPUs, NCCL on GPUs — and the collectives) with two changes: the data
+module splits clients itself, so every loader reaches each process whole (no sampler cut, no
+padding); and the module is not wrapped in `DistributedDataParallel`, which exists to all-reduce
+gradients and would broadcast every buffer before each step (and refuses modules without
+trainable parameters, such as every analytic method).
+
+On the command line `--trainer.strategy=ddp` selects it; in Python pass
+`Trainer(strategy=FederatedDDPStrategy(), devices=2, accelerator="cpu")` or
+`strategy="federated_ddp"`.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from torch import Tensor, nn
+
+from workbench.federation.secure_aggregation import ring_sum
+
+
+class FederatedDDPStrategy(DDPStrategy):
+    """Lightning's DDP for federated methods: whole clients per process, no gradient wrapper."""
+
+    strategy_name = "federated_ddp"
+
+    def configure_ddp(self) -> None:
+        # No DistributedDataParallel: rounds synchronize their own statistics. Start every
+        # process from rank 0's state, as Lightning does for the stages it does not wrap.
+        broadcast_module_state(self.model)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        # Clients, not samples, are split across processes (by the data module): a sampler
+        # Lightning injects then passes each loader through whole.
+        return {"num_replicas": 1, "rank": 0}
+
+
+if FederatedDDPStrategy.strategy_name not in StrategyRegistry:
+    StrategyRegistry.register(FederatedDDPStrategy.strategy_name, FederatedDDPStrategy,
+                              description="DDP for federated methods: whole clients per process")
+
+
+def client_shard(client_ids: Tensor, rank: int, world_size: int) -> slice:
+    """The rows of the whole clients process `rank` of `world_size` runs, as one slice.
+
+    client_ids: (n,) ordered by client (as the data module keeps them). The rows are cut into
+    `world_size` equal runs and each client goes to the run its middle row falls in, so
+    processes get about n / world_size rows each and no client is split; that choice is bounded
+    so that every process gets at least one client (owners never skip a process, and enough
+    clients are left for the processes after).
+    """
+    n = len(client_ids)
+    if n and bool((client_ids[1:] < client_ids[:-1]).any()):
+        raise ValueError("client_shard needs the training rows ordered by client id")
+    changes = (client_ids[1:] != client_ids[:-1]).nonzero().squeeze(1) + 1
+    starts = torch.cat([changes.new_zeros(1), changes]).tolist() if n else []
+    ends = starts[1:] + [n]
+    if len(starts) < world_size:
+        raise ValueError(
+            f"process {rank} of {world_size} would get no client: only {len(starts)} clients hold training "
+            f"data; run on fewer devices (trainer.devices), or partition the data into more clients")
+    owners, previous = [], -1  # the first client goes to process 0
+    for k, (start, end) in enumerate(zip(starts, ends)):
+        balanced = (start + end) * world_size // (2 * n)
+        lowest = max(previous, world_size - len(starts) + k)  # the clients left must cover the processes left
+        owners.append(previous := min(max(balanced, lowest), previous + 1, world_size - 1))
+    mine = [k for k, owner in enumerate(owners) if owner == rank]
+    return slice(starts[mine[0]], ends[mine[-1]])
+
+
+def sum_across_processes(tensor: Tensor, strategy) -> Tensor:
+    """Σ over processes of `tensor` (all-reduce, the same result on every process)."""
+    return strategy.reduce(tensor, reduce_op="sum")
+
+
+def ring_sum_across_processes(elements: Tensor, strategy) -> Tensor:
+    """Σ mod 2^62 over processes of ring elements (gathered, then summed in the ring: no int64 overflow)."""
+    gathered = strategy.all_gather(elements.to(strategy.root_device))
+    return ring_sum(gathered.cpu())
+
+
+def broadcast_module_state(module: nn.Module) -> None:
+    """Overwrite every parameter and buffer with rank 0's (no-op without a process group)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    with torch.no_grad():
+        for tensor in itertools.chain(module.parameters(), module.buffers()):
+            torch.distributed.broadcast(tensor, src=0)
