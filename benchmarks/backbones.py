@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -42,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning import Trainer  # noqa: E402
 
+from benchmarks.common import load_average, machine_line, write_report  # noqa: E402
 from workbench.backbones import build_backbone  # noqa: E402
 from workbench.backbones.base import seeded  # noqa: E402
 from workbench.backbones.text import FrozenTextEncoder, TextBackbone  # noqa: E402
@@ -51,17 +51,12 @@ from workbench.data.features import extract_features, extract_text_features  # n
 from workbench.methods import AFL, GHOFL, SAFLe  # noqa: E402
 
 
-def machine_line(repeats: int) -> str:
-    cpu = platform.processor() or platform.machine()
-    if Path("/proc/cpuinfo").exists():
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), cpu)
+def bf16_support() -> str:
+    """The CPU's vector capability and whether it has native bfloat16 instructions."""
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     native_bf16 = any(f in flags for f in ("avx512_bf16", "amx_bf16"))
-    return (f"Machine: {cpu}, {os.cpu_count()} cores ({torch.backends.cpu.get_cpu_capability()}, "
-            f"{'with' if native_bf16 else 'no'} native bfloat16 instructions), torch {torch.__version__} "
-            f"with {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f} at the start; "
-            f"median of {repeats} repeats")
+    return (f"{torch.backends.cpu.get_cpu_capability()}, "
+            f"{'with' if native_bf16 else 'no'} native bfloat16 instructions")
 
 
 def gpt2_small_random(tokenizer_source: TextBackbone, max_length: int) -> TextBackbone:
@@ -121,7 +116,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/backbones.md")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=UserWarning)
-    machine = machine_line(args.repeats)
+    load_start = load_average()
     started = time.perf_counter()
 
     images = load_dataset("mnist5k").train.images[: args.images]
@@ -165,7 +160,7 @@ def main() -> None:
     lines = [
         f"(1) Feature extraction throughput, float32 against bfloat16 autocast (`precision: bf16`): "
         f"{args.images} mnist5k images / {args.texts} spam_assassin emails per backbone, one batch.",
-        machine + f"; whole run {whole_s:.0f} s, load average {os.getloadavg()[0]:.1f} at the end.",
+        machine_line(f"{bf16_support()}; median of {args.repeats} repeats; whole run {whole_s:.0f} s", load_start),
         "",
         "| backbone | weights | d | input | float32 | bf16 | bf16 / float32 | bf16 min cosine | bf16 max rel. error |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -181,10 +176,7 @@ def main() -> None:
         "|---|---|---|---|",
         *[f"| {label} | {acc:.4f} | {up / 1e6:.3f} MB | {fit_s:.2f} s |" for label, acc, up, fit_s in heads],
     ]
-    report = "\n".join(lines)
-    print(report)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(report + "\n")
+    write_report(lines, args.out)
 
 
 if __name__ == "__main__":
