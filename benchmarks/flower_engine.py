@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -26,13 +25,13 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-import torch
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning import Trainer  # noqa: E402
 
+from benchmarks.common import load_average, machine_line, write_report  # noqa: E402
 from workbench.data import FederatedDataModule, SyntheticBlobs  # noqa: E402
 from workbench.federation import flower  # noqa: E402
 from workbench.methods import AFL, DeepAFL  # noqa: E402
@@ -70,15 +69,6 @@ def largest_difference(method, reference) -> float:
                / max(1.0, float(value.double().abs().max())) for name, value in reference.state_dict().items())
 
 
-def machine_line(threads: int) -> str:
-    cpu = platform.processor()
-    if Path("/proc/cpuinfo").exists():
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), cpu)
-    return (f"Machine: {cpu}, {os.cpu_count()} cores, torch {torch.__version__} with {threads} threads, "
-            f"flwr {version('flwr')}, ray {version('ray')}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", default="synthetic")
@@ -90,7 +80,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/flower_engine.md")
     args = parser.parse_args()
 
-    load_before = os.getloadavg()
+    load_before = load_average()
     bench_start = time.perf_counter()
     rows = []
     for num_clients in args.clients:
@@ -115,16 +105,14 @@ def main() -> None:
             rows.append((name, num_clients, reference.round, whole, rounds,
                          max(largest_difference(r[1], reference) for r in runs["flower"]),
                          same_bytes, reference.fit_metrics, traffic))
-    load_after = os.getloadavg()
 
     n, d = len(data.train_labels), data.feature_dim
     source = (f"synthetic Gaussian blobs, d = {d}" if args.dataset == "synthetic"
               else f"{args.dataset} features (efficientnet_lite0 at 64 px), d = {d}")
     lines = [
         f"Data: {source}, {n} training samples, Dirichlet α = 0.5; DeepAFL h = f = {args.hidden}; float64.",
-        machine_line(torch.get_num_threads()) + f"; median of {args.repeats} repeats; "
-        f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (shared machine); "
-        f"whole benchmark {(time.perf_counter() - bench_start) / 60:.1f} min.",
+        machine_line(f"flwr {version('flwr')}, ray {version('ray')}; median of {args.repeats} repeats; "
+                     f"whole benchmark {(time.perf_counter() - bench_start) / 60:.1f} min", load_before),
         "Flower: `run_simulation` on Ray, one SuperNode per client, 1 CPU per ClientApp "
         f"({min(os.cpu_count() or 1, max(args.clients))} at once).",
         "whole = the fit call (for Flower: Ray's start and stop, the SuperNodes' handshake and the clients' "
@@ -142,10 +130,7 @@ def main() -> None:
             f"| {whole['flower']:.1f} / {rounds['flower']:.2f} | {whole['flower'] / whole['lightning']:.0f}× "
             f"| {rounds['flower'] / rounds['lightning']:.0f}× | {diff:.1e} | {'yes' if same_bytes else 'NO'} "
             f"| {fit_metrics['comm/bytes_up'] / 1e6:.3f} | {traffic.bytes_up / 1e6:.3f} / {traffic.bytes_down / 1e6:.3f} |")
-    report = "\n".join(lines)
-    print(report)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(report + "\n")
+    write_report(lines, args.out)
 
 
 if __name__ == "__main__":
