@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_features import CountingNet, FakeBackbone
 
 from workbench.data import FederatedDataModule, datasets
 from workbench.data.datasets import DEFAULT_DATA_DIR, dataset_modality, list_datasets, load_dataset
@@ -362,31 +363,15 @@ def test_text_cache_key_covers_tokenizer_max_length_pooling_and_precision(tiny_g
 
 def test_image_cache_keys_are_unchanged_by_the_precision_option(tmp_path):
     """float32 image keys must stay what they were, so existing caches stay valid."""
-    from dataclasses import dataclass
-
-    @dataclass(frozen=True)
-    class Fixed:
-        model: torch.nn.Module
-        name: str = "fixed"
-        feature_dim: int = 4
-        input_size: int = 8
-        mean: tuple = (0.5, 0.5, 0.5)
-        std: tuple = (0.25, 0.25, 0.25)
-        weights_id: str = "random-init:seed=0"
-
-    class Net(torch.nn.Module):
-        def forward(self, x):
-            return x.mean(dim=(2, 3)).repeat(1, 2)[:, :4]
-
     images, labels = torch.zeros(3, 8, 8, dtype=torch.uint8), torch.tensor([0, 1, 0])
-    backbone = Fixed(Net())
+    backbone = FakeBackbone(CountingNet())
     cached_features(backbone, images, labels, cache_dir=tmp_path, dataset="toy", split="test",
                     source="s")
-    key = cache_key(dataset="toy", source="s", split="test", num_samples=3, backbone="fixed",
+    key = cache_key(dataset="toy", source="s", split="test", num_samples=3, backbone="counting-net",
                     weights="random-init:seed=0",
-                    transform={"input_size": 8, "mean": [0.5] * 3, "std": [0.25] * 3,
+                    transform={"input_size": 16, "mean": [0.5] * 3, "std": [0.25] * 3,
                                "resize": "bilinear-antialias", "gray": "repeat-3"})
-    assert [p.name for p in tmp_path.rglob("*.pt")] == [f"test-fixed-{key[:16]}.pt"]
+    assert [p.name for p in tmp_path.rglob("*.pt")] == [f"test-counting-net-{key[:16]}.pt"]
     with pytest.raises(ValueError, match="precision must be one of"):
         cached_features(backbone, images, labels, cache_dir=tmp_path, dataset="toy",
                         split="test", source="s", precision="fp16")
