@@ -377,9 +377,12 @@ class FederatedMethod(LightningModule):
                 "the model is not fitted: run `fit` first, or pass `--ckpt_path` of a fitted run "
                 "to `validate`/`test`")
 
-    def _evaluate(self, batch: dict[str, Tensor], metric: MulticlassAccuracy, key: str) -> None:
+    def _evaluate(self, batch: dict[str, Tensor], metric: MulticlassAccuracy, key: str,
+                  logits: Tensor | None = None) -> None:
+        """Scores `logits` of the batch (default: the forward of its features) into `metric`."""
         self._require_fitted()
-        metric(self(batch["features"]).argmax(dim=1), batch["labels"])
+        logits = self(batch["features"]) if logits is None else logits
+        metric(logits.argmax(dim=1), batch["labels"])
         self.log(key, metric, on_step=False, on_epoch=True, add_dataloader_idx=False)
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:

@@ -256,8 +256,7 @@ class DeepAFL(FederatedMethod):
         if self.round == 0 or self.trainer.state.fn != "fit":  # `validate` after a fit: no cache
             return super().validation_step(batch, batch_idx)
         phi = self._evaluation_features(("val", batch_idx), batch["features"], self.depth)
-        self.val_acc((phi @ self.classifier[self.depth]).argmax(dim=1), batch["labels"])
-        self.log("val/acc", self.val_acc, on_step=False, on_epoch=True)
+        self._evaluate(batch, self.val_acc, "val/acc", logits=phi @ self.classifier[self.depth])
 
     @torch.no_grad()
     def _log_depth(self, depth: int) -> None:
