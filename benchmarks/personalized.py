@@ -83,9 +83,9 @@ def run(name: str, dm: FederatedDataModule) -> list[dict]:
            "global": result["test/acc"], "rounds": int(fit["comm/rounds"]), "bytes_up": fit["comm/bytes_up"],
            "fit_s": fit["time/fit_s"], "fit_cpu_s": fit_cpu_s, "note": ""}
     rows = [row]
-    if isinstance(method, (AnaPFL, Ditto)):
-        if isinstance(method, AnaPFL):
-            row["note"] = f"λ = {fit['anapfl/lambda']:.1f}"
+    if "anapfl/lambda" in fit:
+        row["note"] = f"λ = {fit['anapfl/lambda']:.1f}"
+    if name in GLOBAL_PART:
         with torch.no_grad():  # the same fit's global model alone, on every client's local test
             global_logits = torch.cat([method(x) for x in dm.local_test_features.split(8192)])
         rows.append({**row, "method": f"{name} {GLOBAL_PART[name]}", "note": "same fit",
