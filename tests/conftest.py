@@ -7,16 +7,25 @@ import pytest
 import torch
 from lightning import Trainer
 
+from workbench.engines import LightningEngine
+
 os.environ["WANDB_MODE"] = "disabled"  # tests never talk to W&B
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
-def fit(method, datamodule):
-    """Run a method's full fit through a quiet Lightning Trainer; returns the trainer."""
-    trainer = Trainer(max_epochs=method.num_rounds, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
-    trainer.fit(method, datamodule=datamodule)
-    return trainer
+def quiet_trainer(method, **settings) -> Trainer:
+    """A Lightning Trainer for a method's full fit, with no logs, bars or checkpoints."""
+    return Trainer(**{"max_epochs": max(method.num_rounds, 1), "logger": False, "enable_checkpointing": False,
+                      "enable_progress_bar": False, "enable_model_summary": False, "num_sanity_val_steps": 0,
+                      **settings})
+
+
+def fit(method, datamodule, federation=None):
+    """Run a method's full fit in process through a quiet Lightning Trainer; returns the engine
+    (`engine.fit_metrics`, `engine.trainer`)."""
+    engine = LightningEngine(method, federation)
+    quiet_trainer(method).fit(engine, datamodule=datamodule)
+    return engine
 
 
 @pytest.fixture

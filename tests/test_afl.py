@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from workbench.data import FederatedDataModule, SyntheticBlobs
-from workbench.methods import AFL, ClientBatch
-from workbench.methods.base import FederatedMethod
+from workbench.engines.local import LocalClients
+from workbench.methods import AFL, Problem
 
 # 20 classes so that a Dirichlet(0.05) draw can give each of 100 clients some samples
 BLOBS = SyntheticBlobs(num_classes=20, dim=24, train_size=6000, test_size=600, seed=3)
@@ -67,46 +67,33 @@ def test_two_partitions_give_the_same_model(fit_method):
     assert relative_error(weights[0], weights[1]) <= 1e-8
 
 
-def test_aggregate_is_the_sum_of_each_clients_own_upload(fit_method):
-    """The vectorized client step over mixed batches equals clients computing alone."""
+def test_one_cohort_call_is_the_sum_of_each_clients_own_upload():
+    """The client half vectorized over every client equals the clients computing alone."""
     dm = data(num_clients=13, partition="dirichlet", alpha=0.3)
     method = AFL(gamma=2.0)
-    method.setup_problem(dm.feature_dim, dm.num_classes, dm.num_clients)
-    method.num_classes = dm.num_classes
+    method.setup(Problem((dm.feature_dim,), dm.num_classes, dm.num_clients))
+    clients = LocalClients(method, dm.train_features, dm.train_labels, dm.train_client_ids,
+                           torch.unique(dm.train_client_ids), batch_size=100)
+    together, _ = clients.half.client_update(0, {}, clients.cohort(clients.served))
     alone = {"gram": 0, "cross": 0}
-    for k in range(dm.num_clients):
-        mine = dm.train_client_ids == k
-        upload = method.client_step(ClientBatch(dm.train_features[mine], dm.train_labels[mine],
-                                                dm.train_client_ids[mine], mine.nonzero().squeeze(1),
-                                                new_clients=1))
+    for k in clients.served:
+        upload, _ = clients.half.client_update(0, {}, clients.cohort(k[None]))
         assert torch.allclose(upload["gram"], upload["gram"].T)  # each client's G_k + γI
         alone = {name: alone[name] + upload[name] for name in alone}
-
-    seen = []
-    original = FederatedMethod._finish_round
-    def capture(self):
-        seen.append({name: value.clone() for name, value in self._uploads.items()})
-        original(self)
-    FederatedMethod._finish_round = capture
-    try:
-        fit_method(method, dm)
-    finally:
-        FederatedMethod._finish_round = original
     for name in alone:
-        assert relative_error(seen[0][name], alone[name]) <= 1e-12
+        assert relative_error(together[name], alone[name]) <= 1e-12
 
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_bytes_are_the_analytic_count(fit_method, bias):
     dm = data(num_clients=10, partition="iid")
-    method = AFL(bias=bias)
-    fit_method(method, dm)
+    engine = fit_method(AFL(bias=bias), dm)
     d, classes, k = BLOBS.dim + int(bias), BLOBS.num_classes, 10
     per_client = (d * (d + 1) // 2 + d * classes) * 8  # packed G_k + γI and H_k, float64
-    assert method.fit_metrics["comm/bytes_up_per_client"] == per_client
-    assert method.fit_metrics["comm/bytes_up"] == per_client * k
-    assert method.fit_metrics["comm/bytes_down"] == d * classes * 8 * k
-    assert method.fit_metrics["comm/rounds"] == 1
+    assert engine.fit_metrics["comm/bytes_up_per_client"] == per_client
+    assert engine.fit_metrics["comm/bytes_up"] == per_client * k
+    assert engine.fit_metrics["comm/bytes_down"] == d * classes * 8 * k
+    assert engine.fit_metrics["comm/rounds"] == 1
 
 
 def test_singular_gram_falls_back_to_least_squares_with_a_warning(fit_method):
@@ -126,17 +113,18 @@ def test_singular_gram_falls_back_to_least_squares_with_a_warning(fit_method):
 
 def test_accuracy_on_separable_blobs(fit_method):
     dm = data(num_clients=10, partition="dirichlet", alpha=0.1)
-    method = AFL()
-    trainer = fit_method(method, dm)
-    result = trainer.test(method, datamodule=dm, verbose=False)[0]
+    engine = fit_method(AFL(), dm)
+    result = engine.trainer.test(engine, datamodule=dm, verbose=False)[0]
     assert result["test/acc"] > 0.95
 
 
 def test_testing_an_unfitted_model_is_a_clear_error():
     from lightning import Trainer
+
+    from workbench.engines import LightningEngine
     dm = data(num_clients=2, partition="iid")
     with pytest.raises(RuntimeError, match="not fitted"):
-        Trainer(logger=False, enable_progress_bar=False).test(AFL(), datamodule=dm, verbose=False)
+        Trainer(logger=False, enable_progress_bar=False).test(LightningEngine(AFL()), datamodule=dm, verbose=False)
 
 
 def test_negative_regularization_is_rejected():

@@ -85,9 +85,9 @@ class FeatureBatches(Dataset):
 class FederatedDataModule(LightningDataModule):
     """Cached frozen-backbone features of a dataset, partitioned across clients.
 
-    Training batches hold several clients' samples (`features`, `labels`, `client_ids`),
-    ordered by client; test batches hold `features` and `labels` of the global test split.
-    A method with `whole_round_batch = True` gets the whole training set as one batch.
+    The training rows (`train_features`, `train_labels`, `train_client_ids`) are ordered by
+    client; the engine hands whole clients to the methods' client halves. Test batches hold
+    `features` and `labels` of the global test split.
 
     Args:
         dataset: a name from `workbench.data.datasets.list_datasets()` (image or text), or
@@ -122,7 +122,8 @@ class FederatedDataModule(LightningDataModule):
         local_test_fraction: the share of each client's data that becomes its local test split.
         val_fraction: share of the training pool held out (stratified, before partitioning) as
             a validation split for tuning; 0 = none, and `validate` then has nothing to run.
-        batch_size: samples per training/test batch of cached features.
+        batch_size: samples per evaluation batch, and per chunk where a client computes its
+            statistics in chunks to bound memory.
         synthetic: parameters of the `synthetic` dataset.
     """
 
@@ -315,18 +316,10 @@ class FederatedDataModule(LightningDataModule):
 
     # ---- loaders ----------------------------------------------------------------------------
     def train_dataloader(self) -> DataLoader:
-        method = self.trainer.lightning_module if self.trainer is not None else None
-        rows = slice(None)
-        if getattr(self.trainer, "world_size", 1) > 1:  # this process's whole clients
-            from workbench.federation.distributed import client_shard
-
-            rows = client_shard(self.train_client_ids, self.trainer.global_rank, self.trainer.world_size)
-        whole_round = getattr(method, "whole_round_batch", False)  # all clients in one step
-        batch_size = max(len(self.train_labels), 1) if whole_round else self.args.batch_size
-        return DataLoader(FeatureBatches(batch_size, features=self.train_features[rows],
-                                         labels=self.train_labels[rows], client_ids=self.train_client_ids[rows],
-                                         sample_index=torch.arange(len(self.train_labels))[rows]),
-                          batch_size=None)
+        """One item per epoch: an epoch is one communication round, and the engine reads the
+        clients' training rows itself (`train_features`, `train_labels`, `train_client_ids`,
+        ordered by client), whole clients per process."""
+        return DataLoader([{"round": torch.zeros((), dtype=torch.long)}], batch_size=None)
 
     def val_dataloader(self) -> DataLoader | list:
         if self.args.val_fraction == 0:

@@ -15,8 +15,8 @@ model or leave it exactly, without a new round:
     afl.add_clients(uploads, num_clients)      G += Σ_j (G_j + γI) − mγI,  H += Σ_j H_j, re-solve
     afl.remove_clients(uploads, num_clients)   G −= ...,                  H −= ...,       re-solve
 
-`uploads` is what those m clients upload (`client_step` on their data, summed over them: its
-"gram" includes each client's γI once, as in the round). Both equal a refit from scratch on the
+`uploads` is what those m clients upload (`AFLClient.client_update` on their data, summed over
+them: its "gram" includes each client's γI once, as in the round). Both equal a refit from scratch on the
 resulting set of clients. A server can only remove a client whose statistics it is given (e.g.
 kept by the client): the round's sum does not reveal them.
 """
@@ -27,7 +27,26 @@ from torch import Tensor
 
 from workbench.federation.privacy import safe_ridge
 from workbench.linalg import class_sums, identity_like, solve_spd
-from workbench.methods.base import ClientBatch, FederatedMethod
+from workbench.methods.base import SUMMED, SYMMETRIC, ClientHalf, Cohort, FederatedMethod, Problem
+
+
+class AFLClient(ClientHalf):
+    """Client k: `G_k + γI` and `H_k` of its features (AnaPFL's main branch: of its random features)."""
+
+    def __init__(self, problem: Problem, method: AFL) -> None:
+        super().__init__(problem)
+        self.gamma, self.design = method.gamma, method.design  # design: a fixed map of the settings
+
+    def client_update(self, round_index, broadcast, cohort: Cohort):
+        empty = self.design(cohort.features[:0])
+        gram = empty.new_zeros(empty.shape[1], empty.shape[1])
+        cross = empty.new_zeros(empty.shape[1], self.num_classes)
+        for part in cohort.batches():
+            x = self.design(part.features)
+            gram += x.T @ x
+            cross += class_sums(x, part.labels, self.num_classes)
+        gram.diagonal().add_(self.gamma * len(cohort.clients))  # each client adds γI once
+        return {"gram": gram, "cross": cross}, {}
 
 
 class AFL(FederatedMethod):
@@ -43,7 +62,7 @@ class AFL(FederatedMethod):
     Σ_k H_k (d [+1], C), without any γ; `pooled_clients`, the number of clients in them.
     """
 
-    symmetric_uploads = frozenset({"gram"})
+    uploads = {"gram": SYMMETRIC, "cross": SUMMED}
 
     def __init__(self, gamma: float = 1.0, gamma_out: float = 0.0, bias: bool = False,
                  dtype: str = "float64") -> None:
@@ -54,13 +73,21 @@ class AFL(FederatedMethod):
         self.gamma, self.gamma_out, self.bias = gamma, gamma_out, bias
         self.stat_dtype = getattr(torch, dtype)
 
-    def setup_problem(self, feature_dim: int, num_classes: int, num_clients: int) -> None:
-        side = feature_dim + int(self.bias)
+    def setup_problem(self, problem: Problem) -> None:
+        side = self.design_dim(problem)
+        num_classes = problem.num_classes
         self.register_buffer("weight", torch.zeros(side, num_classes, dtype=self.stat_dtype))
         # the pooled statistics, kept so that clients can join or leave the fitted model
         self.register_buffer("pooled_gram", torch.zeros(side, side, dtype=self.stat_dtype))
         self.register_buffer("pooled_cross", torch.zeros(side, num_classes, dtype=self.stat_dtype))
         self.register_buffer("pooled_clients", torch.zeros((), dtype=torch.long))
+
+    def design_dim(self, problem: Problem) -> int:
+        """Width of the design matrix: d [+1]."""
+        return problem.feature_dim + int(self.bias)
+
+    def client_half(self) -> AFLClient:
+        return AFLClient(self.problem, self)
 
     def design(self, features: Tensor) -> Tensor:
         """(n, d) -> (n, d [+1]) in the statistics dtype."""
@@ -69,17 +96,14 @@ class AFL(FederatedMethod):
             x = torch.cat([x, x.new_ones(len(x), 1)], dim=1)
         return x
 
-    def client_step(self, batch: ClientBatch) -> dict[str, Tensor]:
-        x = self.design(batch.features)
-        gram = x.T @ x
-        gram.diagonal().add_(self.gamma * batch.new_clients)  # each client adds γI once
-        return {"gram": gram, "cross": class_sums(x, batch.labels, self.num_classes)}
-
-    def server_step(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, Tensor]:
+    def server_update(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, float]:
         self.pooled_gram = uploads["gram"] - num_clients * self.gamma * identity_like(uploads["gram"])
         self.pooled_cross = uploads["cross"].clone()
         self.pooled_clients.fill_(num_clients)
         self.weight = self.solve()
+        return {}
+
+    def final_broadcast(self) -> dict[str, Tensor]:
         return {"weight": self.weight}
 
     def solve(self) -> Tensor:
@@ -96,7 +120,7 @@ class AFL(FederatedMethod):
     def add_clients(self, uploads: dict[str, Tensor], num_clients: int) -> None:
         """Add m = `num_clients` clients to the fitted model and re-solve (equals a refit with them).
 
-        uploads: their uploads summed over them, as `client_step` returns them: "gram"
+        uploads: their uploads summed over them, as `AFLClient.client_update` returns them: "gram"
             Σ_j (G_j + γI) (d [+1], d [+1]) and "cross" Σ_j H_j (d [+1], C).
         """
         self._update_pool(uploads, num_clients, sign=1)
@@ -106,18 +130,18 @@ class AFL(FederatedMethod):
 
         uploads: the uploads they contributed, summed over them (as in `add_clients`).
         """
-        self._require_fitted()
+        self.require_fitted()
         if num_clients > int(self.pooled_clients):
             raise ValueError(f"cannot remove {num_clients} clients from a model of {int(self.pooled_clients)}")
         self._update_pool(uploads, num_clients, sign=-1)
 
     def _update_pool(self, uploads: dict[str, Tensor], num_clients: int, sign: int) -> None:
-        self._require_fitted()
+        self.require_fitted()
         side, classes = self.pooled_cross.shape
         if not {"gram", "cross"} <= set(uploads) or uploads["gram"].shape != (side, side) \
                 or uploads["cross"].shape != (side, classes):
             raise ValueError(f"uploads must hold 'gram' ({side}, {side}) and 'cross' ({side}, {classes}) as "
-                             f"client_step returns them, got { {k: tuple(v.shape) for k, v in uploads.items()} }")
+                             f"the client half returns them, got { {k: tuple(v.shape) for k, v in uploads.items()} }")
         if num_clients < 1:
             raise ValueError(f"num_clients must be ≥ 1 (the clients the uploads sum over), got {num_clients}")
         gram = uploads["gram"].to(self.pooled_gram) - num_clients * self.gamma * identity_like(self.pooled_gram)

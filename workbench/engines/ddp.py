@@ -1,8 +1,9 @@
 """Several processes under Lightning's DDP: whole clients per process, uploads combined across processes.
 
-A round's uploads are sums over clients, so a multi-process round is: every process runs the
-client steps of its own clients (a disjoint set of whole clients, `client_shard`), the partial
-sums are all-reduced, and every process runs the same server step on the same total, ending
+A multi-process round is: every process runs the client updates of its own clients (a disjoint
+set of whole clients, `client_shard`, each process keeping those clients' state), the partial
+sums are all-reduced (stacked uploads gathered in client order, masked messages summed in the
+ring), and every process runs the same server update on the same total, ending
 with the same model (rank 0's model is then broadcast, so GPU kernels that are not bitwise
 reproducible cannot make processes drift apart). Features are extracted once: with several
 processes the data module's `prepare_data` extracts and caches them on one process per node
@@ -100,3 +101,57 @@ def broadcast_module_state(module: nn.Module) -> None:
     with torch.no_grad():
         for tensor in itertools.chain(module.parameters(), module.buffers()):
             torch.distributed.broadcast(tensor, src=0)
+
+
+def combine_replies(replies, spec, strategy, masked: bool):
+    """One process's `Replies` -> every process's, combined: sums all-reduced, stacks gathered in
+    client order (processes hold increasing client ids), masked ring sums summed in the ring."""
+    import torch.distributed as dist
+
+    from workbench.engines.local import Replies
+
+    world = strategy.world_size
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, (replies.one_client is not None and
+                                      {n: (tuple(v.shape), v.dtype) for n, v in replies.one_client.items()},
+                                      replies.metric_sums, replies.client_s))
+    layout = next((shapes for shapes, _, _ in gathered if shapes), None)
+    if layout is None:
+        raise RuntimeError("no process received an upload this round")
+    one_client = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in layout.items()}
+    combined = Replies(one_client=one_client, client_s=sum(seconds for _, _, seconds in gathered))
+    for _, metrics, _ in gathered:
+        for name, value in metrics.items():
+            combined.metric_sums[name] = combined.metric_sums.get(name, 0.0) + value
+    if masked:
+        elements = replies.masked if replies.masked is not None else torch.zeros(0, dtype=torch.int64)
+        parts: list = [None] * world
+        dist.all_gather_object(parts, elements.cpu())
+        combined.masked = ring_sum([part for part in parts if len(part)])
+        return combined
+    uploads = {}
+    for name in sorted(layout):  # the same order of collectives everywhere
+        if spec[name].stacked:
+            rows: list = [None] * world
+            mine = replies.uploads[name].cpu() if replies.uploads else None
+            dist.all_gather_object(rows, mine)
+            uploads[name] = torch.cat([part for part in rows if part is not None]).to(strategy.root_device)
+        else:
+            mine = (replies.uploads[name] if replies.uploads
+                    else one_client[name].to(strategy.root_device))  # a process whose clients all dropped out adds zero
+            uploads[name] = sum_across_processes(mine.to(strategy.root_device), strategy)
+    combined.uploads = uploads
+    return combined
+
+
+def sum_metrics(metric_sums: dict[str, float], seconds: float, strategy) -> dict[str, float]:
+    """Metric sums and seconds (as `__client_s`) summed over processes."""
+    import torch.distributed as dist
+
+    gathered: list = [None] * strategy.world_size
+    dist.all_gather_object(gathered, {**metric_sums, "__client_s": seconds})
+    total: dict[str, float] = {}
+    for part in gathered:
+        for name, value in part.items():
+            total[name] = total.get(name, 0.0) + value
+    return total

@@ -1,0 +1,10 @@
+"""Engines: how a method's rounds run and where its messages travel, a layer above the methods.
+
+- `lightning.LightningEngine`: in process (one Lightning epoch per round; logging, timing,
+  checkpoints); `ddp`: the same over several processes, whole clients per process;
+- `flower`: the same rounds over a Flower ServerApp and ClientApps (the `flower` extra).
+"""
+from workbench.engines.ddp import FederatedDDPStrategy
+from workbench.engines.lightning import LightningEngine
+
+__all__ = ["FederatedDDPStrategy", "LightningEngine"]

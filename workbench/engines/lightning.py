@@ -1,0 +1,315 @@
+"""The in-process engine: a LightningModule that runs the rounds of any method.
+
+One Lightning epoch is one communication round. A round, whatever the transport:
+
+1. the server plans it (`method.plan_round`: the cohort and its broadcast);
+2. the protocol drops a seeded fraction of the cohort (`federation.dropout`): those clients get
+   the broadcast and compute, but their uploads never arrive;
+3. the clients compute their uploads (`clients.update`: in this process by default, vectorized
+   over the cohort; over Flower a ClientApp per client), masked under secure aggregation;
+4. the server combines them (sum or stack, `workbench.federation.codec`), unmasks only the sum,
+   adds the privacy noise (`federation.dp_sigma`) and updates the model (`method.server_update`).
+
+After the last round every client receives `method.final_broadcast()` and does its local work
+(`ClientHalf.finish`). The engine counts every message's bytes at the dtype sent
+(`comm/bytes_up`: each surviving client's upload; `comm/bytes_down`: the broadcast to each client
+of the cohort, and the final model to all K), times the clients and the server, logs `comm/*`,
+`time/*`, the method's own metrics and the accuracies, and stops after `num_rounds`.
+
+With several processes (`trainer.strategy=ddp`, `workbench.engines.ddp`) each process serves a
+disjoint set of whole clients; the partial sums (or stacks, or masked ring sums) are combined
+across processes before the server update, which every process runs on the same total.
+
+Checkpoints hold the global model (`method.*`), the round counter and the clients' own state
+(`client_half.*`), so a fit resumed from one continues exactly.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from lightning import LightningModule
+from lightning.pytorch.strategies import DDPStrategy
+from torch import Tensor
+from torch.utils.data import DataLoader
+from torchmetrics.classification import MulticlassAccuracy
+
+from workbench.engines import ddp
+from workbench.engines.local import LocalClients, Replies, add_metrics
+from workbench.federation import Federation, codec, messages_bytes
+from workbench.federation.privacy import add_gaussian_noise
+from workbench.federation.protocol import NOISE_STREAM
+from workbench.federation.secure_aggregation import SecureAggregator, UploadLayout, ring_sum
+from workbench.methods.base import FederatedMethod, Problem
+from workbench.runlog import save_per_client_table
+
+
+class LightningEngine(LightningModule):
+    """Runs `method`'s rounds under `federation`'s protocol, one Lightning epoch per round.
+
+    Args:
+        method: the server half (a `FederatedMethod`); its client half is built from it.
+        federation: the protocol (dropouts, secure aggregation, noise).
+        clients: who runs the client halves; default the clients of this process
+            (`LocalClients`); the Flower engine passes its SuperNodes.
+    """
+
+    def __init__(self, method: FederatedMethod, federation: Federation | None = None, clients=None) -> None:
+        super().__init__()
+        if not isinstance(method, FederatedMethod):
+            raise TypeError(f"the engine runs a workbench FederatedMethod, got {type(method).__name__}")
+        self.automatic_optimization = False
+        self.method = method
+        self.federation = federation or Federation()
+        self.remote_clients = clients
+        self.clients = None
+        self.fit_metrics: dict[str, float] = {}
+        self.local_accuracy: dict[str, list] | None = None
+
+    @property
+    def federation(self) -> Federation:
+        return self.method.federation
+
+    @federation.setter
+    def federation(self, protocol: Federation) -> None:
+        if not isinstance(protocol, Federation):
+            raise TypeError(f"federation must be a workbench.federation.Federation, got {type(protocol).__name__}")
+        self.method.federation = protocol  # methods read dp_sigma to explain a failed solve
+
+    # ---- setup ----------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        data = self.trainer.datamodule
+        if data is None:
+            raise RuntimeError("a federated method needs a FederatedDataModule (`data:` in the config)")
+        if stage == "fit":
+            self._check_processes()
+        problem = Problem(tuple(getattr(data, "input_shape", (data.feature_dim,))), data.num_classes,
+                          data.num_clients)
+        if self.method.setup(problem) or self.clients is None:
+            self.val_acc = MulticlassAccuracy(problem.num_classes, average="micro")
+            self.test_acc = MulticlassAccuracy(problem.num_classes, average="micro")
+            self.clients = self.remote_clients or self._local_clients(data)
+            if isinstance(self.clients, LocalClients):
+                self.client_half = self.clients.half  # a submodule: checkpoints keep the clients' state
+
+    def _local_clients(self, data) -> LocalClients:
+        rows = slice(None)
+        if self.trainer.world_size > 1:  # this process's whole clients
+            rows = ddp.client_shard(data.train_client_ids, self.trainer.global_rank, self.trainer.world_size)
+        client_ids = data.train_client_ids[rows]
+        return LocalClients(self.method, data.train_features[rows].to(self.device),
+                            data.train_labels[rows].to(self.device), client_ids.to(self.device),
+                            torch.unique(client_ids).to(self.device), data.hparams.batch_size)
+
+    def _check_processes(self) -> None:
+        strategy = self.trainer.strategy
+        if isinstance(strategy, DDPStrategy) and not isinstance(strategy, ddp.FederatedDDPStrategy):
+            raise ValueError(
+                "a federated method under plain DDP would be wrapped for gradient all-reduce and fed padded, "
+                "sample-split batches: use strategy=FederatedDDPStrategy() (or 'federated_ddp') in "
+                "Python; on the command line --trainer.strategy=ddp selects it")
+
+    def _check_protocol(self) -> None:
+        name, protocol, spec = type(self.method).__name__, self.federation, self.method.uploads
+        stacked = sorted(codec.stacked_names(spec))
+        if protocol.secure_aggregation and stacked:
+            raise ValueError(f"secure aggregation reveals only a sum, but {name} sends per-client uploads "
+                             f"{stacked}: set federation.secure_aggregation=false for it")
+        if protocol.dp_sigma > 0 and stacked:
+            raise ValueError(f"federation.dp_sigma adds noise to summed statistics; {name} sends per-client "
+                             f"uploads {stacked}: set federation.dp_sigma=0 for it")
+
+    def configure_optimizers(self):
+        return None
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader([{"round": torch.zeros((), dtype=torch.long)}], batch_size=None)
+
+    # ---- rounds -----------------------------------------------------------------------------
+    def on_fit_start(self) -> None:
+        self._check_protocol()
+        if self.method.fitted:
+            raise RuntimeError(
+                f"this model has already run all {self.method.num_rounds} rounds; start from a fresh "
+                "model (drop `ckpt_path`) to fit again")
+        data = self.trainer.datamodule
+        self.available = torch.unique(data.train_client_ids).to(self.device)  # clients with data
+        self._totals = {"bytes_up": 0, "bytes_down": 0, "client_s": 0.0, "server_s": 0.0, "secure_s": 0.0}
+        self._fit_start = time.perf_counter()
+
+    def training_step(self, batch, batch_idx: int) -> None:
+        self.fit_metrics = {}
+        if not self.method.fitted:
+            self._run_round()
+        if self.method.fitted:
+            self._finish()
+
+    def _run_round(self) -> None:
+        method, protocol, totals = self.method, self.federation, self._totals
+        round_index = method.round
+        start = time.perf_counter()
+        plan = method.plan_round(self.available)
+        cohort = plan.clients.to(self.device)
+        dropped = protocol.dropped_clients(round_index, method.num_clients).to(self.device)[cohort]
+        survivors, lost = cohort[~dropped], cohort[dropped]
+        if len(survivors) == 0:
+            raise RuntimeError(f"every client asked in round {round_index} dropped out (federation.dropout = "
+                               f"{protocol.dropout}): lower the dropout")
+        secure = (SecureAggregator(cohort.tolist(), seed=protocol.seed, round_index=round_index,
+                                   fixed_point_bits=protocol.fixed_point_bits,
+                                   symmetric=codec.symmetric_names(method.uploads))
+                  if protocol.secure_aggregation else None)
+        server_s = time.perf_counter() - start
+        replies = self.clients.update(round_index, plan.broadcast, survivors, lost, secure)
+        start = time.perf_counter()
+        uploads, replies, secure_s = self._aggregate(replies, secure, survivors)
+        per_client_up = (8 * secure.layout.length if secure is not None
+                         else method.upload_bytes_per_client(replies.one_client))
+        if per_client_up is None:
+            per_client_up = codec.upload_bytes(replies.one_client, method.uploads)
+        server_metrics = method.server_update(uploads, len(survivors))
+        method.rounds_done += 1
+        if self.trainer.world_size > 1:  # every process holds rank 0's model
+            ddp.broadcast_module_state(method)
+        server_s += time.perf_counter() - start - secure_s
+
+        totals["bytes_up"] += per_client_up * len(survivors)
+        totals["bytes_down"] += messages_bytes(plan.broadcast) * len(cohort)
+        totals["client_s"] += replies.client_s
+        totals["server_s"] += server_s
+        totals["secure_s"] += secure_s
+        client_metrics = {name: value / len(survivors) for name, value in replies.metric_sums.items()}
+        self.fit_metrics.update({**server_metrics, **client_metrics,
+                                 "comm/clients_in_round": float(len(survivors)),
+                                 "comm/clients_dropped": float(len(lost))})
+        self._set_totals()
+        self._log_depth()
+
+    def _aggregate(self, replies: Replies, secure: SecureAggregator | None,
+                   survivors: Tensor) -> tuple[dict[str, Tensor], Replies, float]:
+        """The round's total as the server gets it: combined over clients (and processes),
+        unmasked under secure aggregation, with the server's noise under differential privacy."""
+        method, protocol, several = self.method, self.federation, self.trainer.world_size > 1
+        strategy = self.trainer.strategy
+        secure_s = 0.0
+        if several:
+            replies = ddp.combine_replies(replies, method.uploads, strategy, secure is not None)
+        if secure is not None:
+            start = time.perf_counter()
+            if secure.layout is None:  # a process whose clients all dropped out, or a remote transport
+                secure.layout = UploadLayout(replies.one_client, secure.symmetric)
+            total = replies.masked if replies.masked is not None else torch.zeros(secure.layout.length,
+                                                                                   dtype=torch.int64)
+            uploads = secure.unmask(ring_sum([total]), uploaded=survivors.tolist())
+            uploads = {name: value.to(self.device) for name, value in uploads.items()}
+            secure_s = time.perf_counter() - start
+        else:
+            uploads = replies.uploads
+        if protocol.dp_sigma > 0:
+            uploads = add_gaussian_noise(uploads, protocol.dp_sigma, protocol.generator(method.round, NOISE_STREAM),
+                                         symmetric=codec.symmetric_names(method.uploads))
+        return uploads, replies, secure_s
+
+    def _finish(self) -> None:
+        """The final broadcast to every client, and their local work on it."""
+        method, totals = self.method, self._totals
+        final = method.final_broadcast()
+        metric_sums, client_s = self.clients.finish(final)
+        if self.trainer.world_size > 1:
+            metric_sums = ddp.sum_metrics(metric_sums, client_s, self.trainer.strategy)
+            client_s = metric_sums.pop("__client_s")
+        totals["bytes_down"] += messages_bytes(final) * method.num_clients
+        totals["client_s"] += client_s
+        served = max(len(self.available), 1)
+        self.fit_metrics.update({name: value / served for name, value in metric_sums.items()})
+        if client_s > 0:
+            self.fit_metrics["time/local_s"] = client_s
+        self._set_totals()
+        self.fit_metrics["time/fit_s"] = time.perf_counter() - self._fit_start
+
+    def _set_totals(self) -> None:
+        totals, method = self._totals, self.method
+        self.fit_metrics.update({
+            "comm/rounds": float(method.round),
+            "comm/bytes_up": float(totals["bytes_up"]),
+            "comm/bytes_up_per_client": float(totals["bytes_up"]) / method.num_clients,
+            "comm/bytes_down": float(totals["bytes_down"]),
+            "time/client_s": totals["client_s"],
+            "time/server_s": totals["server_s"],
+        })
+        if self.federation.secure_aggregation:  # masking (client time) and unmasking (server time)
+            self.fit_metrics["time/secure_aggregation_s"] = totals["secure_s"]
+
+    @torch.no_grad()
+    def _log_depth(self) -> None:
+        data = self.trainer.datamodule
+        if getattr(data, "test_features", None) is None:
+            return
+        found = self.method.depth_metrics(data.test_features.to(self.device), data.test_labels.to(self.device),
+                                          self.fit_metrics)
+        if found is not None:
+            step, metrics = found
+            for logger in self.loggers:
+                logger.log_metrics(metrics, step=step)
+
+    def on_train_epoch_end(self) -> None:
+        # Every process holds the same numbers (combined in `_aggregate`); syncing keeps Lightning quiet.
+        self.log_dict(self.fit_metrics, sync_dist=self.trainer.world_size > 1)
+        if self.method.fitted:
+            self.trainer.should_stop = True
+
+    # ---- evaluation -------------------------------------------------------------------------
+    def forward(self, features: Tensor) -> Tensor:
+        return self.method(features)
+
+    def _evaluate(self, logits: Tensor, labels: Tensor, metric: MulticlassAccuracy, key: str) -> None:
+        metric(logits.argmax(dim=1), labels)
+        self.log(key, metric, on_step=False, on_epoch=True, add_dataloader_idx=False)
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        if self.method.round > 0 and self.method.global_model:  # the model of the rounds done so far
+            logits = self.method.logits(batch["features"], cache_key=("val", batch_idx))
+            self._evaluate(logits, batch["labels"], self.val_acc, "val/acc")
+
+    def on_test_epoch_start(self) -> None:
+        self.method.require_fitted()
+        self._local_correct = torch.zeros(self.method.num_clients, dtype=torch.long, device=self.device)
+        self._local_total = torch.zeros_like(self._local_correct)
+        self._head_acc = {}
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        method = self.method
+        if "client_ids" not in batch:  # the global test split
+            if method.global_model:
+                self._evaluate(method(batch["features"]), batch["labels"], self.test_acc, "test/acc")
+            for head, logits in method.head_logits(batch["features"]).items():
+                if head not in self._head_acc:
+                    self._head_acc[head] = MulticlassAccuracy(method.num_classes, average="micro").to(self.device)
+                self._evaluate(logits, batch["labels"], self._head_acc[head], f"test/acc/{head}")
+            return
+        client_ids = batch["client_ids"]  # a client's local test split (personalized protocol)
+        logits = (self.clients.predict(batch["features"], client_ids) if method.personalized
+                  else method(batch["features"]))
+        correct = logits.argmax(dim=1).eq(batch["labels"])
+        self._local_correct.index_add_(0, client_ids, correct.long())
+        self._local_total.index_add_(0, client_ids, torch.ones_like(client_ids))
+
+    def on_test_epoch_end(self) -> None:
+        tested = self._local_total > 0
+        if not tested.any():
+            return
+        accuracy = self._local_correct[tested].double() / self._local_total[tested]
+        self.log_dict({"test/acc_local_mean": accuracy.mean(),
+                       "test/acc_local_std": accuracy.std(correction=0),
+                       "test/acc_local_min": accuracy.min()}, add_dataloader_idx=False)
+        self.local_accuracy = {"client": tested.nonzero().squeeze(1).tolist(), "acc": accuracy.tolist(),
+                               "num_test": self._local_total[tested].tolist()}
+        save_per_client_table(self.local_accuracy, self.trainer)
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """A method whose buffers' shapes are found by the fit reshapes them before the restore."""
+        prefix = "method."
+        state = {name[len(prefix):]: value for name, value in checkpoint["state_dict"].items()
+                 if name.startswith(prefix)}
+        self.method.before_restore(state)
