@@ -60,12 +60,12 @@ def test_vectorized_local_sgd_equals_a_loop_over_clients(prox_mu):
         epochs=2,
         lr=0.1,
         batch_size=16,
-        generator=torch.Generator().manual_seed(5),
+        seed=5,
         prox_mu=prox_mu,
     )
     schedule = list(
         minibatch_schedule(
-            client_ids, clients, epochs=2, batch_size=16, generator=torch.Generator().manual_seed(5)
+            client_ids, clients, epochs=2, batch_size=16, seed=5
         )
     )
     for row, client in enumerate(clients.tolist()):
@@ -102,12 +102,12 @@ def test_per_client_starting_points():
         epochs=1,
         lr=0.2,
         batch_size=32,
-        generator=torch.Generator().manual_seed(0),
+        seed=0,
         init=init,
     )
     schedule = list(
         minibatch_schedule(
-            client_ids, clients, epochs=1, batch_size=32, generator=torch.Generator().manual_seed(0)
+            client_ids, clients, epochs=1, batch_size=32, seed=0
         )
     )
     for row in range(2):
@@ -140,11 +140,11 @@ def test_cnn_clients_train_vectorized_like_alone():
         epochs=1,
         lr=0.1,
         batch_size=8,
-        generator=torch.Generator().manual_seed(1),
+        seed=1,
     )
     schedule = list(
         minibatch_schedule(
-            client_ids, clients, epochs=1, batch_size=8, generator=torch.Generator().manual_seed(1)
+            client_ids, clients, epochs=1, batch_size=8, seed=1
         )
     )
     for row in range(2):
@@ -160,7 +160,7 @@ def test_each_epoch_visits_every_sample_of_a_client_once():
     clients = torch.tensor([0, 1, 2, 4])
     steps = list(
         minibatch_schedule(
-            client_ids, clients, epochs=3, batch_size=10, generator=torch.Generator().manual_seed(0)
+            client_ids, clients, epochs=3, batch_size=10, seed=0
         )
     )
     per_epoch = len(steps) // 3
@@ -184,7 +184,7 @@ def test_a_clients_draws_do_not_depend_on_the_other_clients():
     def batches_of_client_1(clients):
         row = clients.tolist().index(1)
         schedule = minibatch_schedule(
-            client_ids, clients, epochs=2, batch_size=7, generator=torch.Generator().manual_seed(9)
+            client_ids, clients, epochs=2, batch_size=7, seed=9
         )
         return [index[row][mask[row]] for index, mask in schedule if mask[row].any()]
 
@@ -206,7 +206,7 @@ def test_bad_arguments_are_rejected():
             epochs=1,
             lr=0.0,
             batch_size=8,
-            generator=torch.Generator(),
+            seed=0,
         )
     with pytest.raises(ValueError, match="prox_center"):
         local_sgd(
@@ -218,7 +218,7 @@ def test_bad_arguments_are_rejected():
             epochs=1,
             lr=0.1,
             batch_size=8,
-            generator=torch.Generator(),
+            seed=0,
             prox_mu=1.0,
             prox_center={"1.weight": torch.zeros(3, 3)},
         )

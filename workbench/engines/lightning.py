@@ -178,7 +178,12 @@ class LightningEngine(LightningModule):
         totals["client_s"] += replies.client_s
         totals["server_s"] += server_s
         totals["secure_s"] += secure_s
-        client_metrics = {name: value / len(survivors) for name, value in replies.metric_sums.items()}
+        client_metrics = {}  # means over the round's clients; times summed over clients and rounds
+        for name, value in replies.metric_sums.items():
+            if name.startswith("time/"):
+                totals[name] = client_metrics[name] = totals.get(name, 0.0) + value
+            else:
+                client_metrics[name] = value / len(survivors)
         self.fit_metrics.update({**server_metrics, **client_metrics,
                                  "comm/clients_in_round": float(len(survivors)),
                                  "comm/clients_dropped": float(len(lost))})

@@ -109,6 +109,8 @@ class LocalClients:
 
     def finish(self, broadcast: Mapping[str, Tensor]) -> tuple[dict[str, float], float]:
         """Every served client's local work after the final broadcast: (metric sums, seconds)."""
+        if type(self.half).finish is ClientHalf.finish:  # no local work
+            return {}, 0.0
         start = time.perf_counter()
         metrics = self.half.finish(broadcast, self.data)
         return dict(metrics), time.perf_counter() - start

@@ -33,23 +33,31 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 
+def client_generator(seed: int, client: int) -> torch.Generator:
+    """The CPU generator of one client's stream under `seed`: the same wherever the client runs."""
+    state = np.random.SeedSequence([seed, client]).generate_state(1, np.uint64)[0]
+    return torch.Generator().manual_seed(int(state))
+
+
 def minibatch_schedule(
-    client_ids: Tensor, clients: Tensor, *, epochs: int, batch_size: int, generator: torch.Generator
+    client_ids: Tensor, clients: Tensor, *, epochs: int, batch_size: int, seed: int
 ) -> Iterator[tuple[Tensor, Tensor]]:
     """Each client's minibatches, step by step: yields `(index, mask)`, both (m, B').
 
     client_ids: (n,) int64 client of every sample; clients: (m,) the clients that train.
     Row r holds the sample indices (into the n samples) of client `clients[r]`'s batch at this
     step, `mask` marks the real entries (B' = min(B, max n_k)); a client with no batch left in
-    the current epoch has an all-False row. Per epoch one uniform key per sample of the whole
-    set is drawn (on `generator`, CPU) and each client takes its samples in key order: a
-    client's draws do not depend on which other clients train, nor on their order.
+    the current epoch has an all-False row. Each client draws one uniform key per own sample and
+    epoch from its own stream (`client_generator(seed, client)`) and takes its samples in key
+    order: a client's batches do not depend on which other clients train, nor on where it runs
+    (in one process with every other client, or alone on a Flower node).
     """
     device = client_ids.device
     num_ids = max(int(client_ids.max()), int(clients.max())) + 1
@@ -57,16 +65,16 @@ def minibatch_schedule(
     slot[clients] = torch.arange(len(clients), device=device)
     sample_slot = slot[client_ids]  # row of each sample's client, -1 if it does not train
     mine = (sample_slot >= 0).nonzero().squeeze(1)
+    mine = mine[torch.argsort(sample_slot[mine], stable=True)]  # by client, then by position
     counts = torch.bincount(sample_slot[mine], minlength=len(clients))
     first = torch.cumsum(counts, 0) - counts
+    keys = torch.cat([torch.rand(epochs, int(count), generator=client_generator(seed, int(client)),
+                                 dtype=torch.float64)
+                      for client, count in zip(clients.tolist(), counts.tolist())], 1).to(device)
     steps_per_epoch = int(-(-counts.max() // batch_size))  # the busiest client's ceil(n_k / B)
     width = min(batch_size, int(counts.max()))
-    for _ in range(epochs):
-        keys = torch.rand(len(client_ids), generator=generator, dtype=torch.float64).to(device)[
-            mine
-        ]
-        by_key = mine[torch.argsort(keys)]
-        order = by_key[torch.argsort(sample_slot[by_key], stable=True)]  # by client, then key
+    for epoch in range(epochs):
+        order = mine[torch.argsort(sample_slot[mine] + keys[epoch])]  # by client, then key
         rank = torch.arange(len(order), device=device) - first[sample_slot[order]]
         table = torch.full(
             (len(clients), steps_per_epoch * batch_size), -1, dtype=torch.long, device=device
@@ -100,7 +108,7 @@ def local_sgd(
     epochs: int,
     lr: float,
     batch_size: int,
-    generator: torch.Generator,
+    seed: int,
     prox_mu: float = 0.0,
     prox_center: dict[str, Tensor] | None = None,
     init: dict[str, Tensor] | None = None,
@@ -112,6 +120,7 @@ def local_sgd(
     prox_mu, prox_center: adds μ/2 ‖w − c‖² (FedProx, Ditto); c defaults to the model's
         parameters; each entry may be shared (param shape) or per client ((m, *shape)).
     init: per-client (m, *shape) or shared starting points; default the model's parameters.
+    seed: the round's minibatch seed; client k shuffles with `client_generator(seed, k)`.
     Returns {name: (m, *param.shape)} in the order of `clients`, detached.
     """
     if epochs < 0 or batch_size < 1 or not lr > 0 or prox_mu < 0:
@@ -157,7 +166,7 @@ def local_sgd(
     client_grad = vmap(grad(loss), in_dims=(0, center_dims, 0, 0, 0))
     with torch.no_grad():
         for index, mask in minibatch_schedule(
-            client_ids, clients[by_size], epochs=epochs, batch_size=batch_size, generator=generator
+            client_ids, clients[by_size], epochs=epochs, batch_size=batch_size, seed=seed
         ):
             active = int(mask[:, 0].sum())  # clients with a batch at this step: a prefix
             index, mask = index[:active], mask[:active]

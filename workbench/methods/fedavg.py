@@ -2,8 +2,9 @@
 
 Round t, global model w_t (P parameters), K clients:
 
-1. The server samples m = max(1, round(q·K)) clients uniformly without replacement
-   (q = `sample_fraction`; the draw is seeded by (seed, t), so a run is reproducible).
+1. The server samples m = max(1, round(q·K')) of the K' clients with data uniformly without
+   replacement (q = `sample_fraction`; the draw is seeded by (seed, t), so a run is
+   reproducible) and sends them w_t (w₀ travels as its seed).
 2. Each sampled client k runs `local_epochs` epochs of minibatch SGD (batch B, step `lr`)
    from w_t on its own data, minimizing the cross-entropy, plus μ/2 ‖w − w_t‖² for FedProx,
    and gets Δw_k = w_t − w_k.
@@ -14,23 +15,24 @@ Round t, global model w_t (P parameters), K clients:
 
 Clients are averaged with equal weights, the 1/m Σ_k of OS-FED's recovery, so that every
 method here aggregates the same way (weighting by n_k would also send n_k). The m clients
-train at once, vectorized (`workbench.federation.local_training.local_sgd`), inside the one
-Lightning step of the round: `whole_round_batch` makes the data module yield all samples in
-one batch. With one client, full participation and η_s = 1, FedAvg is centralized
-minibatch SGD (tested).
+train at once in process, vectorized (`workbench.federation.local_training.local_sgd`), each
+client shuffling with a stream of its own (the same alone on a Flower node). The client half
+keeps each client's error-feedback residual. With one client, full participation and η_s = 1,
+FedAvg is centralized minibatch SGD (tested).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Literal
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from workbench.federation.compression import ErrorFeedback, build_compressor
 from workbench.federation.local_training import local_sgd
-from workbench.methods.base import ClientBatch, FederatedMethod
+from workbench.methods.base import SUMMED, ClientHalf, Cohort, FederatedMethod, Problem, RoundPlan
 from workbench.methods.heads import Architecture, build_model
 
 Compression = Literal["none", "topk", "quantize"]
@@ -39,7 +41,92 @@ SAMPLING, MINIBATCHES, SNAPSHOTS, PERSONAL = 0, 1, 2, 3  # the random streams of
 
 def round_generator(seed: int, round_index: int, stream: int) -> torch.Generator:
     """The CPU generator of one random stream of one round (a run is reproducible and resumable)."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + round_index) * 8 + stream)
+    return torch.Generator().manual_seed(round_seed(seed, round_index, stream))
+
+
+def round_seed(seed: int, round_index: int, stream: int) -> int:
+    """The seed of one random stream of one round."""
+    return (seed * 1_000_003 + round_index) * 8 + stream
+
+
+class Flat:
+    """A model's parameters as one flat vector, and back."""
+
+    def __init__(self, net: nn.Module) -> None:
+        self.net = net
+
+    def vector(self) -> Tensor:
+        """w: (P,)."""
+        return torch.cat([p.detach().reshape(-1) for p in self.net.parameters()])
+
+    def load(self, weights: Tensor) -> None:
+        """w ← weights (P,)."""
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(weights.to(self.vector()), self.net.parameters())
+
+    def flatten(self, params: Mapping[str, Tensor]) -> Tensor:
+        """Per-client parameter dict {name: (m, *shape)} -> (m, P), in the model's order."""
+        return torch.cat([params[name].reshape(len(params[name]), -1)
+                          for name, _ in self.net.named_parameters()], 1)
+
+    def unflatten(self, flat: Tensor) -> dict[str, Tensor]:
+        """(m, P) -> per-client parameter dict {name: (m, *shape)}, views of `flat`."""
+        params, start = {}, 0
+        for name, p in self.net.named_parameters():
+            params[name] = flat[:, start:start + p.numel()].view(len(flat), *p.shape)
+            start += p.numel()
+        return params
+
+
+class FedAvgClient(ClientHalf):
+    """Clients of FedAvg: local SGD from the broadcast w_t, Δw compressed with error feedback.
+
+    State: the model as last received (`net`), each served client's residual e_k (`feedback`).
+    """
+
+    def __init__(self, problem: Problem, method: FedAvg) -> None:
+        super().__init__(problem)
+        self.settings = method.settings()
+        self.net = method.build_net(problem)  # w₀, rebuilt from the seed
+        self.flat = Flat(self.net)
+        sizes = [p.numel() for p in self.net.parameters()]
+        s = self.settings
+        self.compressor = build_compressor(s["compression"], sizes, topk_fraction=s["topk_fraction"],
+                                           quantize_bits=s["quantize_bits"])
+        self.lossy = s["compression"] != "none" and s["error_feedback"]
+
+    def setup_state(self) -> None:
+        self.feedback = ErrorFeedback(self.num_served, self.flat.vector().numel()) if self.lossy else None
+
+    def receive(self, broadcast: Mapping[str, Tensor]) -> None:
+        if "weights" in broadcast:
+            self.flat.load(broadcast["weights"])
+
+    def local_sgd(self, round_index: int, cohort: Cohort, stream: int = MINIBATCHES, **options) -> dict[str, Tensor]:
+        """Local SGD of every cohort client from the received model: {name: (m, *shape)}."""
+        s = self.settings
+        options = {"epochs": s["local_epochs"], "lr": s["lr"], "prox_mu": s["prox_mu"], **options}
+        return local_sgd(self.net, cohort.features, cohort.labels, cohort.client_ids, cohort.clients,
+                         batch_size=s["local_batch_size"], seed=round_seed(s["seed"], round_index, stream),
+                         **options)
+
+    def client_update(self, round_index, broadcast, cohort: Cohort):
+        self.receive(broadcast)
+        if len(cohort.clients) == 0:
+            return {}, {}
+        updates = self.flat.vector() - self.flat.flatten(self.local_sgd(round_index, cohort))  # Δw_k: (m, P)
+        start = time.perf_counter()
+        uploads, metrics = self.encode(round_index, cohort, updates)
+        return uploads, {**metrics, "time/compress_s": time.perf_counter() - start}
+
+    def encode(self, round_index: int, cohort: Cohort, updates: Tensor) -> tuple[dict[str, Tensor], dict]:
+        """The clients' messages, summed: compressed Δw with error feedback -> {"update": (P,)}."""
+        slots = self.client_slots(cohort.clients)
+        target = self.feedback.target(slots, updates) if self.feedback is not None else updates
+        sent = self.compressor(target)
+        if self.feedback is not None:
+            self.feedback.keep(slots, target, sent)
+        return {"update": sent.sum(0)}, {}
 
 
 class FedAvg(FederatedMethod):
@@ -59,7 +146,8 @@ class FedAvg(FederatedMethod):
         seed: model initialization, client sampling and minibatch order.
     """
 
-    whole_round_batch = True
+    uploads = {"update": SUMMED}
+    client_class = FedAvgClient
 
     def __init__(
         self,
@@ -104,130 +192,66 @@ class FedAvg(FederatedMethod):
         self.quantize_bits = quantize_bits
         self.use_error_feedback = error_feedback
         self.prox_mu = 0.0  # FedProx sets μ
-        self.round_metrics: dict[str, float] = {}
-        self._compress_s = 0.0
 
     @property
     def num_rounds(self) -> int:
         return self.rounds
 
-    def setup_problem(self, feature_dim: int, num_classes: int, num_clients: int) -> None:
-        # the runtime sets input_shape from the data; called directly, the input is a vector
-        self.input_shape = self.input_shape or (feature_dim,)
-        self.net = build_model(
-            self.architecture,
-            self.input_shape,
-            num_classes,
-            hidden_dim=self.hidden_dim,
-            seed=self.seed,
-        )
-        sizes = [p.numel() for p in self.net.parameters()]
-        self.compressor = build_compressor(
-            self.compression,
-            sizes,
-            topk_fraction=self.topk_fraction,
-            quantize_bits=self.quantize_bits,
-        )
-        lossy = self.compression != "none" and self.use_error_feedback
-        self.feedback = ErrorFeedback(num_clients, sum(sizes)) if lossy else None
+    def settings(self) -> dict:
+        """What the clients need to know of the method (hyperparameters, seeds; no learned state)."""
+        return {"local_epochs": self.local_epochs, "lr": self.lr, "local_batch_size": self.local_batch_size,
+                "prox_mu": self.prox_mu, "seed": self.seed, "compression": self.compression,
+                "topk_fraction": self.topk_fraction, "quantize_bits": self.quantize_bits,
+                "error_feedback": self.use_error_feedback}
 
-    # ---- parameters as one flat vector ------------------------------------------------------
+    def build_net(self, problem: Problem) -> nn.Module:
+        """w₀: the model initialized from the seed (the same on the server and every client)."""
+        return build_model(self.architecture, problem.input_shape, problem.num_classes,
+                           hidden_dim=self.hidden_dim, seed=self.seed)
+
+    def setup_problem(self, problem: Problem) -> None:
+        self.net = self.build_net(problem)
+        self.flat = Flat(self.net)
+        sizes = [p.numel() for p in self.net.parameters()]
+        self.compressor = build_compressor(self.compression, sizes, topk_fraction=self.topk_fraction,
+                                           quantize_bits=self.quantize_bits)
+
+    def client_half(self) -> FedAvgClient:
+        return self.client_class(self.problem, self)
+
+    # ---- one round ----------------------------------------------------------------------------
     def flat_parameters(self) -> Tensor:
         """w_t: (P,)."""
-        return torch.cat([p.detach().reshape(-1) for p in self.net.parameters()])
-
-    def flatten(self, params: dict[str, Tensor]) -> Tensor:
-        """Per-client parameter dict {name: (m, *shape)} -> (m, P), in the model's order."""
-        return torch.cat(
-            [
-                params[name].reshape(len(params[name]), -1)
-                for name, _ in self.net.named_parameters()
-            ],
-            1,
-        )
-
-    def unflatten(self, flat: Tensor) -> dict[str, Tensor]:
-        """(m, P) -> per-client parameter dict {name: (m, *shape)}, views of `flat`."""
-        params, start = {}, 0
-        for name, p in self.net.named_parameters():
-            params[name] = flat[:, start:start + p.numel()].view(len(flat), *p.shape)
-            start += p.numel()
-        return params
+        return self.flat.vector()
 
     def apply_update(self, update: Tensor) -> None:
         """w ← w − η_s · update, update (P,)."""
-        with torch.no_grad():
-            weights = self.flat_parameters() - self.server_lr * update
-            torch.nn.utils.vector_to_parameters(weights, self.net.parameters())
+        self.flat.load(self.flat_parameters() - self.server_lr * update)
 
-    # ---- one round ----------------------------------------------------------------------------
-    def sample_clients(self) -> Tensor:
-        """(m,) sorted ids of this round's clients: the sampled ones that did not drop out."""
-        m = max(1, round(self.sample_fraction * self.num_clients))
-        chosen = torch.randperm(
-            self.num_clients, generator=round_generator(self.seed, self.round, SAMPLING)
-        )[:m].sort().values.to(self.device)
-        chosen = chosen[~self.dropped_clients[chosen]]  # `federation.dropout`: they never upload
-        if len(chosen) == 0:
-            raise RuntimeError(
-                f"every client sampled in round {self.round} dropped out: lower federation.dropout "
-                "or raise sample_fraction")
-        return chosen
+    def sample_clients(self, available: Tensor) -> Tensor:
+        """(m,) sorted ids of this round's clients: m = max(1, round(q · |available|)) of the
+        clients with data, drawn uniformly without replacement, seeded by (seed, round)."""
+        m = max(1, round(self.sample_fraction * len(available)))
+        order = torch.randperm(len(available), generator=round_generator(self.seed, self.round, SAMPLING))
+        return available[order[:m].to(available.device)].sort().values
 
-    def on_train_epoch_start(self) -> None:
-        super().on_train_epoch_start()
-        if self.trainer.num_training_batches != 1:
-            raise RuntimeError(
-                f"{type(self).__name__} trains every client's local epochs in one step and needs "
-                "the whole training set as one batch: use FederatedDataModule, which yields it "
-                "for methods with whole_round_batch = True"
-            )
+    def plan_round(self, available: Tensor) -> RoundPlan:
+        return RoundPlan(self.sample_clients(available), self.broadcast())
 
-    def client_step(self, batch: ClientBatch) -> dict[str, Tensor]:
-        clients = self.sample_clients()
-        trained = local_sgd(
-            self.net,
-            batch.features,
-            batch.labels,
-            batch.client_ids,
-            clients,
-            epochs=self.local_epochs,
-            lr=self.lr,
-            batch_size=self.local_batch_size,
-            generator=round_generator(self.seed, self.round, MINIBATCHES),
-            prox_mu=self.prox_mu,
-        )
-        updates = self.flat_parameters() - self.flatten(trained)  # Δw_k = w_t − w_k: (m, P)
-        self._uploaders = len(clients)
-        start = time.perf_counter()
-        uploads = self.encode_updates(clients, updates, batch)
-        self._compress_s += time.perf_counter() - start
-        self.round_metrics["time/compress_s"] = self._compress_s
-        return uploads
-
-    def encode_updates(
-        self, clients: Tensor, updates: Tensor, batch: ClientBatch
-    ) -> dict[str, Tensor]:
-        """The clients' messages, summed: compressed Δw with error feedback -> {"update": (P,)}."""
-        target = self.feedback.target(clients, updates) if self.feedback is not None else updates
-        sent = self.compressor(target)
-        if self.feedback is not None:
-            self.feedback.keep(clients, target, sent)
-        return {"update": sent.sum(0)}
-
-    def upload_bytes_per_client(self, uploads: dict[str, Tensor]) -> int:
-        return self.compressor.bytes_per_client()
-
-    def uploading_clients(self) -> int:
-        return self._uploaders
-
-    def server_step(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, Tensor]:
-        self.apply_update(uploads["update"] / num_clients)
+    def broadcast(self) -> dict[str, Tensor]:
+        if self.round == 0:  # w₀ travels as its seed
+            return {"seed": torch.tensor(self.seed, dtype=torch.int64)}
         return {"weights": self.flat_parameters()}
 
-    def on_train_epoch_end(self) -> None:
-        self.fit_metrics.update(self.round_metrics)
-        super().on_train_epoch_end()
+    def final_broadcast(self) -> dict[str, Tensor]:
+        return {"weights": self.flat_parameters()}
+
+    def upload_bytes_per_client(self, upload: Mapping[str, Tensor]) -> int:
+        return self.compressor.bytes_per_client()
+
+    def server_update(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, float]:
+        self.apply_update(uploads["update"] / num_clients)
+        return {}
 
     def forward(self, features: Tensor) -> Tensor:
         """Logits: (n, *input_shape) -> (n, C)."""
