@@ -5,21 +5,27 @@ own training data and its local test data (25%); the score is the mean over clie
 accuracy on their own local test data. Methods (one fit each per setting):
 
 - AnaPFL: AFL on tanh random features (h = 1024, γ = 1e-2) + each client's residual ridge on
-  its own random features (β = 1), λ chosen on a 10% hold-out of each client's training data.
+  its own random features (β = 1), λ chosen on a 10% hold-out of each client's training data
+  (a second round: the clients' summed hold-out scores).
   "AnaPFL global branch" is the same fit's main branch alone (λ = 0), scored on the local tests.
 - AFL: one global ridge head on the backbone features (γ = 1 RI, γ_out = 1), scored on the local tests.
-- Local-only: each client's own ridge head on its backbone features (γ = 1), nothing sent.
+- Local-only: each client's own ridge head on its backbone features (γ = 1), nothing sent, no
+  global model (no global test accuracy).
 - Ditto: a FedAvg MLP head (global) + each client's personal MLP head pulled towards it (λ = 0.1),
   20 rounds; "Ditto global model" is the same fit's FedAvg model, scored on the local tests.
 
-Reported: mean / min local accuracy, global test accuracy (for local-only: the mean of the
-client heads' logits), rounds, bytes uploaded by all clients, and the method's fit time
+Reported: mean / min local accuracy, global test accuracy (none for local-only), rounds, bytes uploaded by all clients, and the method's fit time
 (`time/fit_s`, wall clock: client and server work, local solves included; Lightning's loop and
 the test excluded) and the CPU seconds of the whole `Trainer.fit` call (all threads; steadier
 than the wall clock on a shared machine).
 
     python benchmarks/personalized.py                              # K ∈ {50, 100}, α ∈ {0.1, 0.5, 1}
     python benchmarks/personalized.py --clients 50 --alphas 0.1    # one setting
+    python benchmarks/personalized.py --dataset synthetic --clients 10 --alphas 0.5 \
+        --out /tmp/personalized.md                                 # a smoke run, no backbone
+
+Each method runs in `workbench.engines.LightningEngine` (in process); the personal models are
+the clients' (`engine.client_half.predict`), the global one the server's (`method(x)`).
 """
 from __future__ import annotations
 
@@ -40,6 +46,7 @@ from benchmarks.common import load_average, machine_line, write_report
 from lightning import Trainer
 
 from workbench.data import FederatedDataModule
+from workbench.engines import LightningEngine
 from workbench.methods import AFL, AnaPFL, Ditto, LocalOnly
 
 # The methods compared: name -> a fresh model. A new baseline is one more line here (its rows
@@ -59,7 +66,7 @@ GLOBAL_PART = {"AnaPFL": "global branch", "Ditto": "global model"}  # its model 
 
 
 def quiet_trainer(rounds: int) -> Trainer:
-    return Trainer(max_epochs=rounds, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    return Trainer(max_epochs=max(rounds, 1),  # a method without rounds (local-only) runs one local pass logger=False, enable_checkpointing=False, enable_progress_bar=False,
                    enable_model_summary=False, num_sanity_val_steps=0)
 
 
@@ -73,14 +80,16 @@ def local_mean_accuracy(logits: torch.Tensor, labels: torch.Tensor, client_ids: 
 def run(name: str, dm: FederatedDataModule) -> list[dict]:
     """Fit and test one method on one setting -> table rows."""
     method = METHODS[name]()
+    engine = LightningEngine(method)
     trainer = quiet_trainer(method.num_rounds)
     cpu_start = time.process_time()
-    trainer.fit(method, datamodule=dm)
+    trainer.fit(engine, datamodule=dm)
     fit_cpu_s = time.process_time() - cpu_start
-    result = trainer.test(method, datamodule=dm, verbose=False)[0]
-    fit = method.fit_metrics
+    result = trainer.test(engine, datamodule=dm, verbose=False)[0]
+    fit = engine.fit_metrics
     row = {"method": name, "local_mean": result["test/acc_local_mean"], "local_min": result["test/acc_local_min"],
-           "global": result["test/acc"], "rounds": int(fit["comm/rounds"]), "bytes_up": fit["comm/bytes_up"],
+           "global": result.get("test/acc", float("nan")),  # none without a global model (local-only)
+           "rounds": int(fit["comm/rounds"]), "bytes_up": fit["comm/bytes_up"],
            "fit_s": fit["time/fit_s"], "fit_cpu_s": fit_cpu_s, "note": ""}
     rows = [row]
     if "anapfl/lambda" in fit:
@@ -109,6 +118,9 @@ def main() -> None:
                    ".*Total length of .* across ranks is zero", ".*LeafSpec.*"):
         warnings.filterwarnings("ignore", message=notice)
 
+    def percent(value: float) -> str:
+        return "–" if math.isnan(value) else f"{100 * value:.2f}"
+
     load_start = load_average()
     start = time.perf_counter()
     rows, sizes, totals = [], {}, set()
@@ -125,10 +137,7 @@ def main() -> None:
                 for row in run(name, dm):
                     rows.append({"K": num_clients, "alpha": alpha, **row})
                     print(f"K={num_clients} α={alpha} {row['method']}: local {row['local_mean']:.4f} "
-                          f"global {row['global']:.4f} fit {row['fit_s']:.1f} s ({row['fit_cpu_s']:.1f} CPU s)", flush=True)
-
-    def percent(value: float) -> str:
-        return "–" if math.isnan(value) else f"{100 * value:.2f}"
+                          f"global {percent(row['global'])} fit {row['fit_s']:.1f} s ({row['fit_cpu_s']:.1f} CPU s)", flush=True)
 
     lines = [
         (f"Dataset {args.dataset}, backbone {args.backbone} at {args.input_size} px (d = {dm.feature_dim}), "
@@ -140,7 +149,7 @@ def main() -> None:
         "",
         ("Accuracy in %: local = mean over clients of the accuracy on their own local test data "
          "(min = the worst client); global = the global test set (10k) with `forward` "
-         "(AnaPFL: its global branch; local-only: the mean of the client heads' logits). "
+         "(AnaPFL: its global branch; local-only: none, it has no global model). "
          "Bytes: uploaded by all clients together. Fit s: the method's own wall-clock time; "
          "fit CPU s: CPU seconds of the whole `Trainer.fit` (all threads)."),
         "",

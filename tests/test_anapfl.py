@@ -11,9 +11,10 @@ import torch.nn.functional as nnf
 from workbench.cli import main
 from workbench.data import FederatedDataModule, SyntheticBlobs
 from workbench.data.datamodule import stratified_holdout
+from workbench.engines.local import LocalClients
 from workbench.linalg import grouped_ridge
-from workbench.methods import AnaPFL
-from workbench.methods.base import FederatedMethod
+from workbench.methods import AnaPFL, Problem
+from workbench.methods.anapfl import holdout_seed
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOBS = SyntheticBlobs(num_classes=6, dim=12, train_size=2400, test_size=300, separation=3.0, seed=4)
@@ -38,6 +39,17 @@ def ridge(x: torch.Tensor, y: torch.Tensor, regularization: float) -> torch.Tens
 
 def one_hot(dm: FederatedDataModule) -> torch.Tensor:
     return nnf.one_hot(dm.train_labels, dm.num_classes).double()
+
+
+def problem(dm: FederatedDataModule) -> Problem:
+    return Problem((dm.feature_dim,), dm.num_classes, dm.num_clients)
+
+
+def local_clients(method: AnaPFL, dm: FederatedDataModule, batch_size: int = 100) -> LocalClients:
+    """The clients of `dm` in process, without an engine (for direct calls of the client half)."""
+    method.setup(problem(dm))
+    return LocalClients(method, dm.train_features, dm.train_labels, dm.train_client_ids,
+                        torch.unique(dm.train_client_ids), batch_size)
 
 
 @pytest.mark.parametrize("partition", [{"num_clients": 1, "partition": "iid"},
@@ -66,25 +78,25 @@ def test_global_branch_does_not_depend_on_the_partition(fit_method):
 def test_each_clients_refinement_is_its_own_residual_ridge_and_reduces_its_residual(fit_method):
     dm = data()
     method = AnaPFL(hidden_dim=HIDDEN, beta=0.7)
-    fit_method(method, dm)
+    half = fit_method(method, dm).client_half
+    assert torch.equal(half.served, torch.arange(dm.num_clients))  # every client has data: slot k is client k
+    assert torch.equal(half.global_weight, method.weight)  # the W_g the clients received
     x = dm.train_features.double()
     residual = one_hot(dm) - torch.tanh(x @ method.global_projection) @ method.weight
-    refinement = torch.tanh(x @ method.local_projection)
+    refinement = half.local_features(x)
     sizes = torch.bincount(dm.train_client_ids)
     assert (sizes < HIDDEN).any() and (sizes >= HIDDEN).any()  # both forms of the solve are used
     for k in range(dm.num_clients):
         mine = dm.train_client_ids == k
         alone = ridge(refinement[mine], residual[mine], 0.7)  # fitted on all its rows, primal
-        assert relative_error(method.local_weight[k], alone) <= 1e-8
-        remaining = residual[mine] - refinement[mine] @ method.local_weight[k]
+        assert relative_error(half.local_weight[k], alone) <= 1e-8
+        remaining = residual[mine] - refinement[mine] @ half.local_weight[k]
         assert torch.linalg.norm(remaining) < torch.linalg.norm(residual[mine])
 
 
 def test_dual_solve_equals_the_primal():
     dm = data(num_clients=40, alpha=0.2)
-    method = AnaPFL(hidden_dim=HIDDEN)
-    method.setup_problem(dm.feature_dim, dm.num_classes, dm.num_clients)
-    refinement = method.local_features(dm.train_features)
+    refinement = local_clients(AnaPFL(hidden_dim=HIDDEN), dm).half.local_features(dm.train_features)
     targets = torch.randn(len(refinement), dm.num_classes, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     args = (refinement, targets, dm.train_client_ids, dm.num_clients, 1.0)
     primal = grouped_ridge(*args, form="primal")
@@ -95,29 +107,31 @@ def test_dual_solve_equals_the_primal():
 def test_lambda_zero_predicts_with_the_global_branch(fit_method):
     dm = data()
     method = AnaPFL(hidden_dim=HIDDEN, lambdas=[0.0])
-    fit_method(method, dm)
-    assert method.local_weight.abs().sum() > 0  # a refinement exists; λ = 0 switches it off
+    half = fit_method(method, dm).client_half
+    assert half.local_weight.abs().sum() > 0  # a refinement exists; λ = 0 switches it off
     x, ids = dm.local_test_features, dm.local_test_client_ids
-    assert torch.equal(method.predict_clients(x, ids), method(x))
+    assert torch.equal(half.predict(x, ids), method(x))
     other = AnaPFL(hidden_dim=HIDDEN, lambdas=[0.5])
-    fit_method(other, dm)
-    assert not torch.equal(other.predict_clients(x, ids), other(x))
+    other_half = fit_method(other, dm).client_half
+    assert not torch.equal(other_half.predict(x, ids), other(x))
 
 
 def test_lambda_is_the_best_mean_holdout_accuracy_of_per_client_fits_on_the_rest(fit_method):
     dm = data()
     grid = [0.0, 0.25, 0.5, 1.0, 2.0]
     method = AnaPFL(hidden_dim=HIDDEN, lambdas=grid, holdout_fraction=0.2, seed=3)
-    fit_method(method, dm)
-    # the same protocol, one client at a time
+    engine = fit_method(method, dm)
+    # the same protocol, one client at a time: each client draws its own hold-out
     x, labels, ids = dm.train_features.double(), dm.train_labels, dm.train_client_ids
-    held_out = stratified_holdout(labels, 0.2, seed=3, groups=ids)
     main_logits = torch.tanh(x @ method.global_projection) @ method.weight
-    refinement = torch.tanh(x @ method.local_projection)
+    refinement = engine.client_half.local_features(x)
     residual = one_hot(dm) - main_logits
     scores = []
     for k in range(dm.num_clients):
-        fit, test = (ids == k) & ~held_out, (ids == k) & held_out
+        mine = ids == k
+        held_out = torch.zeros_like(mine)
+        held_out[mine] = stratified_holdout(labels[mine], 0.2, seed=holdout_seed(3, k))
+        fit, test = mine & ~held_out, mine & held_out
         if test.any():
             local = refinement[test] @ ridge(refinement[fit], residual[fit], 1.0)
             scores.append([float(((main_logits[test] + lam * local).argmax(1) == labels[test]).double().mean())
@@ -125,39 +139,78 @@ def test_lambda_is_the_best_mean_holdout_accuracy_of_per_client_fits_on_the_rest
     expected = torch.tensor(scores, dtype=torch.float64).mean(0)
     assert torch.allclose(method.holdout_accuracy, expected, atol=1e-12)
     best = grid[int(expected.argmax())]
-    assert float(method.refinement_scale) == best and method.fit_metrics["anapfl/lambda"] == best
-    assert method.fit_metrics["anapfl/holdout_acc"] == pytest.approx(float(expected.max()))
+    assert float(method.refinement_scale) == best and engine.fit_metrics["anapfl/lambda"] == best
+    assert float(engine.client_half.refinement_scale) == best  # the final broadcast's λ
+    assert engine.fit_metrics["anapfl/holdout_acc"] == pytest.approx(float(expected.max()))
 
 
 def test_uploads_do_not_depend_on_the_refinement_branch(fit_method, monkeypatch):
     dm = data()
     seen = []
-    original = FederatedMethod._finish_round
+    original = AnaPFL.server_update
 
-    def capture(self):
-        seen.append({name: value.clone() for name, value in self._uploads.items()})
-        original(self)
+    def capture(self, uploads, num_clients):
+        if self.round == 0:
+            seen.append({name: value.clone() for name, value in uploads.items()})
+        return original(self, uploads, num_clients)
 
-    monkeypatch.setattr(FederatedMethod, "_finish_round", capture)
+    monkeypatch.setattr(AnaPFL, "server_update", capture)
     methods = [AnaPFL(hidden_dim=HIDDEN, local_seed=1, beta=1.0),
                AnaPFL(hidden_dim=HIDDEN, local_seed=7, beta=0.1, lambdas=[0.5], holdout_fraction=0.3)]
-    for method in methods:
-        fit_method(method, dm)
+    halves = [fit_method(method, dm).client_half for method in methods]
     assert seen[0].keys() == seen[1].keys() == {"gram", "cross"}
     assert all(torch.equal(seen[0][name], seen[1][name]) for name in seen[0])
     assert torch.equal(methods[0].weight, methods[1].weight)  # the broadcast
-    assert relative_error(methods[0].local_weight, methods[1].local_weight) > 0.1
+    assert relative_error(halves[0].local_weight, halves[1].local_weight) > 0.1
 
 
-def test_bytes_rounds_and_logged_lambda(fit_method):
+@pytest.mark.parametrize("batch_size", [100, 1 << 14])
+def test_one_cohort_call_equals_each_client_alone(batch_size):
+    """Every round's uploads and the local fits over the whole cohort equal the clients' own,
+    computed by a fresh client half (as on another node) one client at a time."""
     dm = data()
-    method = AnaPFL(hidden_dim=HIDDEN)
-    fit_method(method, dm)
-    h, classes, k = HIDDEN, BLOBS.num_classes, dm.num_clients
-    metrics = method.fit_metrics
-    assert metrics["comm/rounds"] == 1
-    assert metrics["comm/bytes_up_per_client"] == (h * (h + 1) // 2 + h * classes) * 8
-    assert metrics["comm/bytes_down"] == (h * classes * 8 + 8) * k  # W_g and the seed of P_g
+    method = AnaPFL(hidden_dim=HIDDEN, lambdas=[0.0, 0.5, 1.0], holdout_fraction=0.2)
+    clients = local_clients(method, dm, batch_size)
+    alone = method.client_half()
+    alone.setup_clients(clients.served, len(dm.train_labels))
+    cohorts = [clients.cohort(k[None]) for k in clients.served]
+    for round_index in range(method.num_rounds):
+        broadcast = method.broadcast()
+        together, _ = clients.half.client_update(round_index, broadcast, clients.data)
+        summed = {}
+        for cohort in cohorts:
+            upload, _ = alone.client_update(round_index, broadcast, cohort)
+            summed = {name: summed.get(name, 0) + value for name, value in upload.items()}
+        assert together.keys() == summed.keys()
+        for name in together:
+            assert relative_error(together[name], summed[name]) <= 1e-12
+        method.server_update(together, len(clients.served))
+        method.rounds_done += 1
+    final = method.final_broadcast()
+    clients.half.finish(final, clients.data)
+    for cohort in cohorts:
+        alone.finish(final, cohort)
+    assert relative_error(alone.local_weight, clients.half.local_weight) <= 1e-8
+    assert float(alone.refinement_scale) == float(clients.half.refinement_scale) == float(method.refinement_scale)
+    x, ids = dm.local_test_features, dm.local_test_client_ids
+    assert relative_error(alone.predict(x, ids), clients.half.predict(x, ids)) <= 1e-8
+
+
+@pytest.mark.parametrize("lambdas", [[0.5], list(range(11))], ids=["one-lambda", "grid-of-11"])
+def test_bytes_rounds_and_logged_lambda(fit_method, lambdas):
+    dm = data()
+    method = AnaPFL(hidden_dim=HIDDEN, lambdas=lambdas)
+    metrics = fit_method(method, dm).fit_metrics
+    h, classes, k, grid = HIDDEN, BLOBS.num_classes, dm.num_clients, len(lambdas)
+    afl_up = (h * (h + 1) // 2 + h * classes) * 8  # packed Hg_kᵀHg_k + γI and Hg_kᵀY_k
+    if grid == 1:  # one round: the seed of P_g, the statistics up, W_g down
+        assert metrics["comm/rounds"] == 1
+        assert metrics["comm/bytes_up_per_client"] == afl_up
+        assert metrics["comm/bytes_down"] == (8 + h * classes * 8) * k
+    else:  # and the λ round: W_g down, every λ's summed hold-out accuracy and a client count up; λ down
+        assert metrics["comm/rounds"] == 2
+        assert metrics["comm/bytes_up_per_client"] == afl_up + (grid + 1) * 8
+        assert metrics["comm/bytes_down"] == (8 + h * classes * 8 + 8) * k
     assert metrics["anapfl/lambda"] in method.lambdas
     assert 0 < metrics["time/local_s"] <= metrics["time/client_s"] <= metrics["time/fit_s"]
 
@@ -165,15 +218,15 @@ def test_bytes_rounds_and_logged_lambda(fit_method):
 def test_state_dict_restores_the_personalized_model(fit_method):
     dm = data()
     method = AnaPFL(hidden_dim=HIDDEN, lambdas=[0.3])
-    fit_method(method, dm)
-    restored = AnaPFL(hidden_dim=HIDDEN, lambdas=[0.0])  # λ comes back from the buffer
-    restored.setup_problem(dm.feature_dim, dm.num_classes, dm.num_clients)
-    restored.load_state_dict(method.state_dict())
+    half = fit_method(method, dm).client_half
+    restored = local_clients(AnaPFL(hidden_dim=HIDDEN, lambdas=[0.0]), dm).half  # λ comes back from the buffer
+    restored.load_state_dict(half.state_dict())
     x, ids = dm.local_test_features, dm.local_test_client_ids
     # equal up to rounding: a solve's output and its loaded copy may differ in memory layout
-    assert relative_error(restored.predict_clients(x, ids), method.predict_clients(x, ids)) <= 1e-12
+    assert relative_error(restored.predict(x, ids), half.predict(x, ids)) <= 1e-12
     assert float(restored.refinement_scale) == 0.3
     assert "global_projection" not in method.state_dict()  # regenerated from the seed
+    assert not any("projection" in name for name in half.state_dict())  # the clients' too
 
 
 def test_command_line_logs_local_accuracy_and_lambda(tmp_path):
@@ -184,7 +237,7 @@ def test_command_line_logs_local_accuracy_and_lambda(tmp_path):
     for row in csv.DictReader(next(tmp_path.rglob("metrics.csv")).open()):
         logged.update({key: float(value) for key, value in row.items() if value})
     assert {"test/acc", "test/acc_local_mean", "test/acc_local_min"} <= set(logged)
-    assert logged["anapfl/lambda"] == float(cli.model.refinement_scale)
+    assert logged["anapfl/lambda"] == float(cli.method.refinement_scale)
     assert logged["test/acc_local_mean"] > 0.9
 
 

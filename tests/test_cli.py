@@ -65,8 +65,8 @@ def test_short_class_names_and_overrides(tmp_path):
     cli = main(["fit", "--model=AFL", "--model.gamma_out=0.5", "--data=FederatedDataModule",
                 "--data.dataset=synthetic", "--data.num_clients=5", "--data.partition=iid",
                 "--trainer.enable_progress_bar=false", f"--run_dir={tmp_path}"])
-    assert cli.model.gamma_out == 0.5 and cli.datamodule.num_clients == 5
-    assert cli.model.fitted
+    assert cli.method.gamma_out == 0.5 and cli.datamodule.num_clients == 5
+    assert cli.method.fitted and cli.model.method is cli.method  # the engine runs the configured method
 
 
 def test_print_config_round_trips(tmp_path, capsys):

@@ -14,8 +14,9 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from workbench.cli import main
 from workbench.data import FederatedDataModule, datasets
-from workbench.federation.distributed import FederatedDDPStrategy, client_shard
-from workbench.methods import AFL, FedAvg
+from workbench.engines import LightningEngine
+from workbench.engines.ddp import client_shard
+from workbench.methods import AFL
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--config", str(ROOT / "configs/synthetic_afl.yaml"), "--trainer.enable_progress_bar=false",
@@ -63,12 +64,11 @@ def test_a_process_without_clients_is_a_clear_error():
         client_shard(torch.zeros(10, dtype=torch.long), 1, 2)
 
 
-@pytest.mark.parametrize("method", [AFL(), FedAvg(num_rounds=1)], ids=["plain-ddp", "whole-round-method"])
-def test_unsupported_process_setups_name_the_fix(method):
-    strategy = DDPStrategy() if isinstance(method, AFL) else FederatedDDPStrategy()
-    method._trainer = SimpleNamespace(strategy=strategy, world_size=2)
-    with pytest.raises(ValueError, match="FederatedDDPStrategy|trainer.devices=1"):
-        method._check_processes()
+def test_plain_ddp_names_the_fix():
+    engine = LightningEngine(AFL())
+    engine._trainer = SimpleNamespace(strategy=DDPStrategy(), world_size=2)
+    with pytest.raises(ValueError, match="FederatedDDPStrategy"):
+        engine._check_processes()
 
 
 def test_two_processes_give_the_same_afl_model_as_one(tmp_path):
@@ -78,7 +78,7 @@ def test_two_processes_give_the_same_afl_model_as_one(tmp_path):
     main(["fit", *TINY, f"--run_dir={tmp_path / 'one'}"])
     two, one = saved_model(tmp_path / "two"), saved_model(tmp_path / "one")
     for name in ("weight", "pooled_gram", "pooled_cross"):  # a client counted twice would double its share
-        assert relative_error(two[name], one[name]) <= 1e-8
+        assert relative_error(two[f"method.{name}"], one[f"method.{name}"]) <= 1e-8
     assert logged(tmp_path / "two")["comm/bytes_up"] == logged(tmp_path / "one")["comm/bytes_up"]
     assert logged(tmp_path / "two")["test/acc"] == logged(tmp_path / "one")["test/acc"]
 
@@ -89,7 +89,8 @@ def test_two_processes_with_dropouts_and_secure_aggregation(tmp_path):
     done = fit_in_processes(tmp_path / "two", *protocol)
     assert done.returncode == 0, done.stderr[-3000:]
     main(["fit", *TINY, f"--run_dir={tmp_path / 'one'}", *protocol])
-    assert relative_error(saved_model(tmp_path / "two")["weight"], saved_model(tmp_path / "one")["weight"]) <= 1e-8
+    assert relative_error(saved_model(tmp_path / "two")["method.weight"],
+                          saved_model(tmp_path / "one")["method.weight"]) <= 1e-8
     assert logged(tmp_path / "two")["comm/clients_in_round"] == 7
 
 

@@ -11,8 +11,10 @@ from lightning import Callback, Trainer
 
 from workbench.cli import main
 from workbench.data import FederatedDataModule, SyntheticBlobs
+from workbench.engines import LightningEngine
+from workbench.engines.local import LocalClients
 from workbench.federation.messages import SEED_BYTES
-from workbench.methods import DeepAFL
+from workbench.methods import DeepAFL, Problem
 from workbench.methods.deepafl import random_layer, solve_omega
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,7 +115,7 @@ def test_random_layers_come_from_the_seed_alone():
 
     def built(seed: int, num_layers: int = 3) -> DeepAFL:
         method = DeepAFL(num_layers=num_layers, seed=seed, **SMALL)
-        method.setup_problem(dm.feature_dim, dm.num_classes, dm.num_clients)
+        method.setup(Problem((dm.feature_dim,), dm.num_classes, dm.num_clients))
         return method
 
     first, again, other, deeper = built(7), built(7), built(8), built(7, num_layers=5)
@@ -142,14 +144,14 @@ def test_bytes_are_the_analytic_count_and_nothing_random_is_sent(fit_method):
     num_clients, num_layers = 4, 2
     h, f, classes = SMALL["hidden_dim"], SMALL["block_dim"], BLOBS.num_classes
     method = DeepAFL(num_layers=num_layers, **SMALL)
-    fit_method(method, data(partition="iid", num_clients=num_clients, batch_size=100))
+    engine = fit_method(method, data(partition="iid", num_clients=num_clients, batch_size=100))
     omega_round = f * (f + 1) // 2 + f * classes   # packed FᵀF and FᵀR
     classifier_round = h * (h + 1) // 2 + h * classes  # packed ΦᵀΦ and ΦᵀY
     per_client = (num_layers * omega_round + (num_layers + 1) * classifier_round) * 8
-    assert method.fit_metrics["comm/bytes_up_per_client"] == per_client
-    assert method.fit_metrics["comm/bytes_up"] == per_client * num_clients
+    assert engine.fit_metrics["comm/bytes_up_per_client"] == per_client
+    assert engine.fit_metrics["comm/bytes_up"] == per_client * num_clients
     down = SEED_BYTES + (num_layers + 1) * h * classes * 8 + num_layers * f * h * 8
-    assert method.fit_metrics["comm/bytes_down"] == down * num_clients
+    assert engine.fit_metrics["comm/bytes_down"] == down * num_clients
 
 
 def test_fit_runs_2t_plus_1_rounds_and_reports_every_depth(fit_method):
@@ -158,14 +160,78 @@ def test_fit_runs_2t_plus_1_rounds_and_reports_every_depth(fit_method):
     assert method.num_rounds == 7
     trainer = Trainer(max_epochs=method.num_rounds + 3, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
-    trainer.fit(method, datamodule=dm)
+    engine = LightningEngine(method)
+    trainer.fit(engine, datamodule=dm)
     assert trainer.current_epoch == method.num_rounds and method.round == 7 and method.depth == 3
     assert len(method.depth_accuracy) == 4
     # the per-depth accuracy, computed one layer at a time, is the accuracy of the model at that depth
-    test = trainer.test(method, datamodule=dm, verbose=False)[0]["test/acc"]
+    test = trainer.test(engine, datamodule=dm, verbose=False)[0]["test/acc"]
     assert method.depth_accuracy[-1] == pytest.approx(test, abs=1e-6)
     first = (method.features_at_depth(dm.test_features, 0) @ method.classifier[0]).argmax(1)
     assert method.depth_accuracy[0] == pytest.approx(float((first == dm.test_labels).double().mean()))
+
+
+def local_clients(method: DeepAFL, dm: FederatedDataModule, batch_size: int = 64) -> LocalClients:
+    return LocalClients(method, dm.train_features, dm.train_labels, dm.train_client_ids,
+                        torch.unique(dm.train_client_ids), batch_size)
+
+
+def test_one_cohort_call_is_the_sum_of_each_clients_own_call_in_every_round():
+    """Every round, the client half vectorized over all clients equals the clients computing
+    alone, each on a client half of its own built from the settings only (as on a Flower node)."""
+    dm = data(partition="dirichlet", alpha=0.5, num_clients=6)
+    method = DeepAFL(num_layers=2, seed=3, **SMALL)
+    method.setup(Problem((dm.feature_dim,), dm.num_classes, dm.num_clients))
+    together = local_clients(method, dm)
+    alone = {}
+    for k in together.served.tolist():  # a fresh method per client: nothing of the server's state
+        own = DeepAFL(num_layers=2, seed=3, **SMALL)
+        own.setup(Problem((dm.feature_dim,), dm.num_classes, dm.num_clients))
+        mine = dm.train_client_ids == k
+        alone[k] = LocalClients(own, dm.train_features[mine], dm.train_labels[mine], dm.train_client_ids[mine],
+                                torch.tensor([k]), batch_size=7)
+    for round_index in range(method.num_rounds):
+        broadcast = {name: value.clone() for name, value in method.broadcast().items()}
+        uploads, _ = together.half.client_update(round_index, broadcast, together.data)
+        summed = {}
+        for clients in alone.values():
+            upload, _ = clients.half.client_update(round_index, broadcast, clients.data)
+            summed = {name: summed.get(name, 0) + value for name, value in upload.items()}
+        assert set(summed) == set(uploads)
+        for name in uploads:
+            assert relative_error(summed[name], uploads[name]) <= 1e-8, (round_index, name)
+        method.server_update(uploads, len(alone))
+        method.rounds_done += 1
+
+
+def test_a_round_costs_one_layer_and_a_client_without_its_cache_rebuilds_it(monkeypatch):
+    """With Φ_{t−1} kept, a round computes one block per sample; a client half restored from its
+    saved state (no per-sample cache) rebuilds Φ from the Ω it kept and uploads the same."""
+    dm = data(partition="iid", num_clients=1)
+    method = DeepAFL(num_layers=3, **SMALL)
+    method.setup(Problem((dm.feature_dim,), dm.num_classes, dm.num_clients))
+    clients = local_clients(method, dm, batch_size=len(dm.train_labels))  # one chunk
+    blocks = []
+    original = type(clients.half).block_features
+    monkeypatch.setattr(type(clients.half), "block_features",
+                        lambda self, phi, layer: blocks.append(layer) or original(self, phi, layer))
+    for round_index in range(method.num_rounds):
+        blocks.clear()
+        broadcast = method.broadcast()
+        uploads, _ = clients.half.client_update(round_index, broadcast, clients.data)
+        assert blocks == ([] if round_index == 0 else [(round_index + 1) // 2]), round_index
+        if round_index == 4:  # a client whose process restarted: its saved state only
+            rebuilt = DeepAFL(num_layers=3, **SMALL)
+            rebuilt.setup(method.problem)
+            fresh = local_clients(rebuilt, dm)
+            state = clients.half.state_dict()
+            assert set(state) == {"omega"}
+            fresh.half.load_state_dict(state)
+            again, _ = fresh.half.client_update(round_index, broadcast, fresh.data)
+            for name in uploads:
+                assert relative_error(again[name], uploads[name]) <= 1e-8, name
+        method.server_update(uploads, 1)
+        method.rounds_done += 1
 
 
 class ValAccuracies(Callback):
@@ -179,7 +245,8 @@ def test_validation_while_fitting_scores_the_model_of_every_round(fit_method):
     dm = data(partition="iid", num_clients=3, batch_size=64, val_fraction=0.2)
     method, seen = DeepAFL(num_layers=2, **SMALL), ValAccuracies()
     Trainer(max_epochs=method.num_rounds, logger=False, enable_checkpointing=False, callbacks=[seen],
-            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0).fit(method, datamodule=dm)
+            enable_progress_bar=False, enable_model_summary=False,
+            num_sanity_val_steps=0).fit(LightningEngine(method), datamodule=dm)
 
     def accuracy(depth: int) -> float:
         phi = method.features_at_depth(dm.val_features, depth)
@@ -202,12 +269,15 @@ def test_a_resumed_fit_gives_the_same_model(fit_method, tmp_path):
 
     first_part = trainer(3)
     part = DeepAFL(num_layers=3, **SMALL)
-    first_part.fit(part, datamodule=dm)
+    first_part.fit(LightningEngine(part), datamodule=dm)
     assert part.round == 3
     first_part.save_checkpoint(tmp_path / "part.ckpt")
+    saved = torch.load(tmp_path / "part.ckpt", weights_only=False)["state_dict"]
+    assert "client_half.omega" in saved  # the clients keep the Ω they received...
+    assert not any(name.startswith("client_half.phi") for name in saved)  # ...not their per-sample cache
     resumed = DeepAFL(num_layers=3, **SMALL)
     # the checkpoint holds the data module's hyperparameters (a SyntheticBlobs): our own file
-    trainer(resumed.num_rounds).fit(resumed, datamodule=dm, ckpt_path=tmp_path / "part.ckpt",
+    trainer(resumed.num_rounds).fit(LightningEngine(resumed), datamodule=dm, ckpt_path=tmp_path / "part.ckpt",
                                     weights_only=False)
     assert resumed.fitted
     assert relative_error(resumed.classifier, whole.classifier) <= 1e-10
@@ -220,13 +290,13 @@ def test_cli_logs_every_depth_and_the_checkpoint_restores_the_model(tmp_path):
               "--data=FederatedDataModule", "--data.dataset=synthetic", "--data.num_clients=6",
               "--data.partition=iid", "--trainer.enable_progress_bar=false"]
     cli = main(["fit", *common, f"--run_dir={tmp_path}"])
-    assert cli.model.fitted and cli.model.round == 5
+    assert cli.method.fitted and cli.method.round == 5
     run = max(tmp_path.glob("*/version_*"), key=lambda p: p.stat().st_mtime)
     rows = list(csv.DictReader((run / "metrics.csv").open()))
     depth_rows = [row for row in rows if row.get("depth/test_acc")]
     assert [int(row["step"]) for row in depth_rows] == [0, 1, 2]
     logged = [float(row["depth/test_acc"]) for row in depth_rows]
-    assert logged == pytest.approx(cli.model.depth_accuracy)
+    assert logged == pytest.approx(cli.method.depth_accuracy)
     fitted_acc = float(cli.trainer.callback_metrics["test/acc"])
     assert fitted_acc > 0.9
     tested = main(["test", *common, f"--run_dir={tmp_path / 'eval'}",

@@ -10,7 +10,7 @@ import torch
 from workbench.data import FederatedDataModule, SyntheticBlobs
 from workbench.federation import Federation
 from workbench.linalg import class_sums
-from workbench.methods import AFL, ClientBatch, DeepAFL, FedAvg
+from workbench.methods import AFL, Cohort, DeepAFL, FedAvg, Problem
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -38,16 +38,19 @@ def ridge(features: torch.Tensor, labels: torch.Tensor, num_classes: int, gamma:
 def uploads_of(method: AFL, dm: FederatedDataModule, clients: list[int]) -> dict[str, torch.Tensor]:
     """What `clients` upload, summed over them (each adds its γI once)."""
     mine = torch.isin(dm.train_client_ids, torch.tensor(clients))
-    return method.client_step(ClientBatch(dm.train_features[mine], dm.train_labels[mine], dm.train_client_ids[mine],
-                                          mine.nonzero().squeeze(1), new_clients=len(clients)))
+    half = method.client_half()
+    half.setup_clients(torch.tensor(sorted(clients)), int(mine.sum()))
+    uploads, _ = half.client_update(0, {}, Cohort(dm.train_features[mine], dm.train_labels[mine], dm.train_client_ids[mine],
+                                                  torch.tensor(sorted(clients)), torch.arange(int(mine.sum()))))
+    return uploads
 
 
 class RecordingAFL(AFL):
     """AFL that records what its server step receives."""
 
-    def server_step(self, uploads, num_clients):
+    def server_update(self, uploads, num_clients):
         self.received = ({name: value.clone() for name, value in uploads.items()}, num_clients)
-        return super().server_step(uploads, num_clients)
+        return super().server_update(uploads, num_clients)
 
 
 def test_dropouts_are_a_seeded_fraction_drawn_anew_each_round():
@@ -64,17 +67,17 @@ def test_dropped_clients_uploads_never_reach_the_server(fit_method):
     dm = data()
     method = RecordingAFL(gamma=2.0)
     method.federation = Federation(dropout=0.3, seed=3)
-    fit_method(method, dm)
+    engine = fit_method(method, dm)
     dropped = method.federation.dropped_clients(0, 10).nonzero().squeeze(1).tolist()
     survivors = [k for k in range(10) if k not in dropped]
     received, num_clients = method.received
     expected = uploads_of(method, dm, survivors)
     assert len(dropped) == 3 and num_clients == 7
     assert all(relative_error(received[name], expected[name]) <= 1e-12 for name in expected)
-    assert method.fit_metrics["comm/clients_in_round"] == 7
-    assert method.fit_metrics["comm/clients_dropped"] == 3
+    assert engine.fit_metrics["comm/clients_in_round"] == 7
+    assert engine.fit_metrics["comm/clients_dropped"] == 3
     per_client = (16 * 17 // 2 + 16 * 6) * 8
-    assert method.fit_metrics["comm/bytes_up"] == 7 * per_client
+    assert engine.fit_metrics["comm/bytes_up"] == 7 * per_client
 
 
 @pytest.mark.parametrize("partition", [{"partition": "iid"}, {"partition": "dirichlet", "alpha": 0.1},
@@ -127,7 +130,7 @@ def test_adding_or_removing_clients_checks_its_input(fit_method):
     dm = data()
     method = AFL()
     with pytest.raises(RuntimeError, match="not fitted"):
-        method.setup_problem(dm.feature_dim, dm.num_classes, dm.num_clients)
+        method.setup(Problem((dm.feature_dim,), dm.num_classes, dm.num_clients))
         method.add_clients({"gram": torch.eye(16), "cross": torch.zeros(16, 6)}, 1)
     fit_method(method, dm)
     with pytest.raises(ValueError, match="'gram' \\(16, 16\\)"):
@@ -140,7 +143,7 @@ def test_deepafl_continues_with_whoever_uploads(fit_method):
     dm = data()
     method = DeepAFL(num_layers=2, hidden_dim=16, block_dim=16)
     method.federation = Federation(dropout=0.3, seed=1)
-    trainer = fit_method(method, dm)
+    engine = fit_method(method, dm)
     assert method.round == 5 and len(method.depth_accuracy) == 3
     assert torch.isfinite(method.classifier).all()
     # W_t (round 2t) is the ridge on Φ_t of that round's participants, Φ_t of every sample current
@@ -150,28 +153,25 @@ def test_deepafl_continues_with_whoever_uploads(fit_method):
         expected = torch.linalg.solve(phi.T @ phi + method.gamma * torch.eye(16, dtype=phi.dtype),
                                       class_sums(phi, dm.train_labels[took_part], dm.num_classes))
         assert relative_error(method.classifier[depth], expected) <= 1e-8
-    assert trainer.test(method, datamodule=dm, verbose=False)[0]["test/acc"] > 0.95
+    assert engine.trainer.test(engine, datamodule=dm, verbose=False)[0]["test/acc"] > 0.95
 
 
-def test_fedavg_continues_and_dropped_clients_do_not_train(fit_method):
+def test_fedavg_continues_and_averages_only_the_updates_that_arrive(fit_method):
     dm = data()
-    seen = []
+    averaged_over = []
 
     class RecordingFedAvg(FedAvg):
-        def client_step(self, batch):
-            seen.append(set(batch.client_ids.tolist()))
-            return super().client_step(batch)
+        def server_update(self, uploads, num_clients):
+            averaged_over.append(num_clients)
+            return super().server_update(uploads, num_clients)
 
     method = RecordingFedAvg(num_rounds=4, architecture="linear", lr=0.1)
     method.federation = Federation(dropout=0.3, seed=2)
-    trainer = fit_method(method, dm)
-    assert method.round == 4
-    for round_index, clients in enumerate(seen):
-        dropped = set(method.federation.dropped_clients(round_index, 10).nonzero().squeeze(1).tolist())
-        assert clients == set(range(10)) - dropped
-    # only the survivors are counted, so the server averages over the updates that arrived
-    assert method.fit_metrics["comm/clients_in_round"] == 10 - 3
-    assert trainer.test(method, datamodule=dm, verbose=False)[0]["test/acc"] > 0.8
+    engine = fit_method(method, dm)
+    assert method.round == 4 and averaged_over == [10 - 3] * 4
+    assert engine.fit_metrics["comm/clients_in_round"] == 10 - 3
+    assert engine.fit_metrics["comm/clients_dropped"] == 3
+    assert engine.trainer.test(engine, datamodule=dm, verbose=False)[0]["test/acc"] > 0.8
 
 
 def test_every_client_dropping_out_is_a_clear_error(fit_method):
@@ -201,7 +201,7 @@ def test_the_federation_section_of_a_config_reaches_the_method(tmp_path):
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     cli = main(["fit", "--config", str(tmp_path / "config.yaml"), "--trainer.enable_progress_bar=false",
                 f"--run_dir={tmp_path / 'runs'}", "--federation.dp_sigma=0.01", "--model.gamma_out=1.0"])
-    assert cli.model.federation == Federation(dropout=0.2, secure_aggregation=True, seed=3, dp_sigma=0.01)
+    assert cli.method.federation == Federation(dropout=0.2, secure_aggregation=True, seed=3, dp_sigma=0.01)
     assert cli.model.fit_metrics["comm/clients_dropped"] == 2 and cli.model.fit_metrics["comm/clients_in_round"] == 8
     run = next((tmp_path / "runs").glob("*/version_0"))
     assert yaml.safe_load((run / "hparams.yaml").read_text())["federation"]["dropout"] == 0.2

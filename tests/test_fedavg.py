@@ -5,19 +5,19 @@ from __future__ import annotations
 import csv
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning import Trainer
+from conftest import quiet_trainer
 
 from workbench.cli import main
 from workbench.data import FederatedDataModule, SyntheticBlobs
 from workbench.data import datasets as dataset_registry
+from workbench.engines import LightningEngine
 from workbench.federation.local_training import minibatch_schedule
 from workbench.methods import FedAvg, FedProx
-from workbench.methods.fedavg import MINIBATCHES, round_generator
+from workbench.methods.fedavg import MINIBATCHES, FedAvgClient, round_seed
 from workbench.methods.heads import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,16 +41,11 @@ def data(num_clients: int = 5, partition: str = "iid", **kw) -> FederatedDataMod
     return dm
 
 
-def fit64(method, dm) -> None:
-    Trainer(
-        max_epochs=method.num_rounds,
-        precision="64-true",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    ).fit(method, datamodule=dm)
+def fit64(method, dm, federation=None) -> LightningEngine:
+    """A full fit in float64 in process; returns the engine."""
+    engine = LightningEngine(method, federation)
+    quiet_trainer(method, precision="64-true").fit(engine, datamodule=dm)
+    return engine
 
 
 def test_one_client_with_full_participation_is_centralized_sgd():
@@ -66,7 +61,7 @@ def test_one_client_with_full_participation_is_centralized_sgd():
             torch.tensor([0]),
             epochs=2,
             batch_size=32,
-            generator=round_generator(4, round_index, MINIBATCHES),
+            seed=round_seed(4, round_index, MINIBATCHES),
         ):
             batch = index[0][mask[0]]
             optimizer.zero_grad()
@@ -78,22 +73,25 @@ def test_one_client_with_full_participation_is_centralized_sgd():
     assert (ours - reference).norm() <= 1e-6 * reference.norm()
 
 
-def client_drifts(method_class, **kwargs) -> torch.Tensor:
+def client_drifts(monkeypatch, method_class, **kwargs) -> torch.Tensor:
     """‖w_k − w_t‖ of each client after one round of 3 local epochs: (K,)."""
     method = method_class(num_rounds=1, local_epochs=3, seed=1, **SMALL, **kwargs)
     drifts = []
-    encode = method.encode_updates
-    method.encode_updates = lambda clients, updates, batch: (
-        drifts.append(updates.norm(dim=1)) or encode(clients, updates, batch)
-    )
+    encode = FedAvgClient.encode
+
+    def spy(half, round_index, cohort, updates):
+        drifts.append(updates.norm(dim=1))
+        return encode(half, round_index, cohort, updates)
+
+    monkeypatch.setattr(FedAvgClient, "encode", spy)
     fit64(method, data(num_clients=5, partition="dirichlet", alpha=0.3))
     return drifts[0]
 
 
-def test_fedprox_keeps_clients_near_the_global_model():
+def test_fedprox_keeps_clients_near_the_global_model(monkeypatch):
     """lr · μ < 1 keeps the proximal step a contraction; the drift then shrinks as μ grows."""
-    drifts = [client_drifts(FedProx, mu=mu) for mu in (0.0, 1.0, 3.0, 9.0)]
-    torch.testing.assert_close(drifts[0], client_drifts(FedAvg), rtol=0, atol=0)  # μ = 0 is FedAvg
+    drifts = [client_drifts(monkeypatch, FedProx, mu=mu) for mu in (0.0, 1.0, 3.0, 9.0)]
+    torch.testing.assert_close(drifts[0], client_drifts(monkeypatch, FedAvg), rtol=0, atol=0)  # μ = 0 is FedAvg
     for weaker, stronger in zip(drifts, drifts[1:]):
         assert (stronger < weaker).all()
     assert (drifts[-1] < 0.4 * drifts[0]).all()
@@ -106,18 +104,20 @@ def test_sampled_clients_alone_upload_and_are_redrawn_every_round():
     )
     drawn = []
     original = method.sample_clients
-    method.sample_clients = lambda: drawn.append(original()) or drawn[-1]
-    fit64(method, dm)
-    assert all(len(clients) == 3 for clients in drawn)
+    method.sample_clients = lambda available: drawn.append(original(available)) or drawn[-1]
+    engine = fit64(method, dm)
+    assert len(drawn) == 4 and all(len(clients) == 3 for clients in drawn)
     assert len({tuple(c.tolist()) for c in drawn}) > 1
     k = math.ceil(0.2 * P)
-    assert method.fit_metrics["comm/bytes_up"] == 4 * 3 * k * (
+    assert engine.fit_metrics["comm/bytes_up"] == 4 * 3 * k * (
         4 + 1
     )  # values + uint8 indices (P < 256)
-    assert method.fit_metrics["comm/clients_in_round"] == 3
+    assert engine.fit_metrics["comm/clients_in_round"] == 3
     ever = torch.zeros(10, dtype=torch.bool)
     ever[torch.cat(drawn)] = True
-    has_residual = method.feedback.residual.abs().sum(1) > 0
+    half = engine.client_half
+    assert torch.equal(half.served, torch.arange(10))  # every client has data: slot k is client k
+    has_residual = half.feedback.residual.abs().sum(1) > 0
     assert torch.equal(has_residual, ever)  # only clients that uploaded carry an error
 
 
@@ -132,11 +132,10 @@ def test_sampled_clients_alone_upload_and_are_redrawn_every_round():
 )
 def test_upload_bytes_are_the_analytic_count(fit_method, compression, options, per_client):
     method = FedAvg(num_rounds=2, compression=compression, **options, **SMALL)
-    fit_method(method, data(num_clients=5))
-    assert method.fit_metrics["comm/bytes_up"] == 2 * 5 * per_client
-    assert (
-        method.fit_metrics["comm/bytes_down"] == 2 * 5 * 4 * P
-    )  # the float32 model to every client
+    engine = fit_method(method, data(num_clients=5))
+    assert engine.fit_metrics["comm/bytes_up"] == 2 * 5 * per_client
+    # round 0: the seed (8 bytes); round 1 and the final broadcast: the float32 model, to every client
+    assert engine.fit_metrics["comm/bytes_down"] == 5 * 8 + 5 * 4 * P + 5 * 4 * P
 
 
 def test_lossless_settings_of_the_compressors_are_fedavg():
@@ -166,26 +165,41 @@ def test_federated_training_learns(fit_method):
     """On blobs where the closed-form ridge head (AFL) scores 0.97, 10 rounds reach 0.9."""
     dm = data(num_clients=5, partition="dirichlet", alpha=0.5)
     method = FedAvg(num_rounds=10, **SMALL)
-    trainer = fit_method(method, dm)
-    assert trainer.test(method, datamodule=dm, verbose=False)[0]["test/acc"] > 0.9
+    engine = fit_method(method, dm)
+    assert engine.trainer.test(engine, datamodule=dm, verbose=False)[0]["test/acc"] > 0.9
 
 
-def test_the_data_module_yields_the_whole_training_set_as_one_batch_of_views():
+def test_the_clients_train_on_views_of_the_whole_training_set(fit_method):
+    """In process the engine hands the client half the data module's rows themselves (no copy)."""
     dm = data(num_clients=5, batch_size=64)
-    dm.trainer = SimpleNamespace(lightning_module=FedAvg())
-    batches = list(dm.train_dataloader())
-    assert len(batches) == 1
-    assert batches[0]["features"].data_ptr() == dm.train_features.data_ptr()  # no copy
-    assert len(batches[0]["labels"]) == len(dm.train_labels)
-    dm.trainer = None
-    assert len(list(dm.train_dataloader())) == math.ceil(len(dm.train_labels) / 64)
+    engine = fit_method(FedAvg(num_rounds=1, **SMALL), dm)
+    rows = engine.clients.data
+    assert rows.features.data_ptr() == dm.train_features.data_ptr()
+    assert len(rows.labels) == len(dm.train_labels) and torch.equal(rows.client_ids, dm.train_client_ids)
 
 
-def test_a_split_round_is_a_clear_error(fit_method):
-    method = FedAvg(num_rounds=1, **SMALL)
-    method.whole_round_batch = False  # the data module then cuts the round into batches
-    with pytest.raises(RuntimeError, match="whole training set"):
-        fit_method(method, data(num_clients=5, batch_size=64))
+def test_a_cohort_call_is_each_clients_call_alone():
+    """One client_update over every client equals the sum of one-client calls (own streams)."""
+    from workbench.engines.local import LocalClients
+    from workbench.methods import Problem
+
+    dm = data(num_clients=6, partition="dirichlet", alpha=0.3)
+    method = FedAvg(num_rounds=2, compression="topk", topk_fraction=0.3, **SMALL)
+    method.setup(Problem((8,), 4, 6))
+    method.double()
+    together = LocalClients(method, dm.train_features.double(), dm.train_labels, dm.train_client_ids,
+                            torch.unique(dm.train_client_ids), batch_size=64)
+    alone = LocalClients(method, dm.train_features.double(), dm.train_labels, dm.train_client_ids,
+                         torch.unique(dm.train_client_ids), batch_size=64)
+    together.half.double(), alone.half.double()
+    for round_index in range(2):  # the second round starts from error feedback
+        broadcast = {"weights": method.flat_parameters() + round_index}
+        total, _ = together.half.client_update(round_index, broadcast, together.cohort(together.served))
+        summed = sum(alone.half.client_update(round_index, broadcast, alone.cohort(k[None]))[0]["update"]
+                     for k in alone.served)
+        torch.testing.assert_close(total["update"], summed, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(together.half.feedback.residual, alone.half.feedback.residual,
+                               rtol=1e-12, atol=1e-12)
 
 
 def fake_images(data_dir, download):
@@ -214,9 +228,9 @@ def test_raw_images_feed_a_cnn(add_dataset, fit_method):
     assert dm.train_features.min() >= -1 and dm.train_features.max() <= 1
     assert dm.describe()["backbone"] == "none"
     method = FedAvg(num_rounds=5, architecture="cnn", lr=0.1, local_batch_size=8)
-    trainer = fit_method(method, dm)
+    engine = fit_method(method, dm)
     assert method.input_shape == (1, 8, 8)
-    assert trainer.test(method, datamodule=dm, verbose=False)[0]["test/acc"] > 0.9
+    assert engine.trainer.test(engine, datamodule=dm, verbose=False)[0]["test/acc"] > 0.9
 
 
 def test_bad_settings_name_the_fix():
@@ -254,7 +268,7 @@ def test_cli_logs_bytes_every_round(tmp_path, method):
             f"--run_dir={tmp_path}",
         ]
     )
-    per_client = cli.model.compressor.bytes_per_client()
+    per_client = cli.model.method.compressor.bytes_per_client()  # cli.model: the engine
     rows = [row for row in logged_rows(tmp_path) if row.get("comm/bytes_up")]
     assert [float(row["comm/bytes_up"]) for row in rows] == [r * 4 * per_client for r in (1, 2, 3)]
     assert "test/acc" in cli.trainer.callback_metrics  # the fit ends with a test
@@ -262,7 +276,8 @@ def test_cli_logs_bytes_every_round(tmp_path, method):
 
 @pytest.mark.parametrize(
     "config",
-    ["fedavg_fashion.yaml", "fedprox_fashion.yaml", "osfed_fashion.yaml", "osfed_cnn_demo.yaml"],
+    ["fedavg_fashion.yaml", "fedprox_fashion.yaml", "osfed_fashion.yaml", "osfed_cnn_demo.yaml",
+     "scaffold_fashion.yaml", "scaffold_demo.yaml"],
 )
 def test_configs_parse(config, capsys):
     with pytest.raises(SystemExit) as done:

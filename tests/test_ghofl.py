@@ -47,9 +47,9 @@ def data(synthetic=BLOBS, **partition) -> FederatedDataModule:
 class Recording(GHOFL):
     """GH-OFL that keeps the summed uploads the server received."""
 
-    def server_step(self, uploads, num_clients):
+    def server_update(self, uploads, num_clients):
         self.received = {name: value.clone() for name, value in uploads.items()}
-        return super().server_step(uploads, num_clients)
+        return super().server_update(uploads, num_clients)
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -70,7 +70,7 @@ def pooled_statistics(x: torch.Tensor, y: torch.Tensor,
 
 def logits_of(method: GHOFL, head: str, dm: FederatedDataModule) -> torch.Tensor:
     with torch.no_grad():
-        return method.head_logits(head, dm.test_features)
+        return method.logits_of_head(head, dm.test_features)
 
 
 def accuracy(method: GHOFL, head: str, dm: FederatedDataModule) -> float:
@@ -239,7 +239,7 @@ def test_shrinkage_keeps_every_head_finite_with_fewer_samples_than_dimensions(fi
 def test_sketched_statistics_are_the_projected_statistics_and_cost_k_dimensions(fit_method):
     dm, k = data(partition="dirichlet", alpha=0.5, num_clients=6), 4
     method = Recording(heads=["nb_diag", "qda"], primary_head="qda", sketch_dim=k, sketch_seed=7)
-    fit_method(method, dm)
+    engine = fit_method(method, dm)
     gen = torch.Generator().manual_seed(7)
     sketch = torch.randn(BLOBS.dim, k, generator=gen, dtype=torch.float64) / math.sqrt(BLOBS.dim)
     pooled = pooled_statistics(dm.train_features, dm.train_labels, BLOBS.num_classes)
@@ -256,7 +256,7 @@ def test_sketched_statistics_are_the_projected_statistics_and_cost_k_dimensions(
     for name in ("nb_weight", "nb_bias", "qda_cholesky", "qda_bias"):
         assert relative_error(getattr(method, name), getattr(plain, name)) <= 1e-8, name
     c = BLOBS.num_classes
-    assert method.fit_metrics["comm/bytes_up_per_client"] == (c * k + c + c * k * (k + 1) // 2) * 8
+    assert engine.fit_metrics["comm/bytes_up_per_client"] == (c * k + c + c * k * (k + 1) // 2) * 8
 
 
 @pytest.mark.parametrize("heads, sent", [
@@ -265,22 +265,22 @@ def test_sketched_statistics_are_the_projected_statistics_and_cost_k_dimensions(
 def test_bytes_per_client_are_the_analytic_count(fit_method, heads, sent):
     dm = data(partition="iid", num_clients=5)
     method = GHOFL(heads=heads, primary_head=heads[0], **QUICK)
-    fit_method(method, dm)
+    engine = fit_method(method, dm)
     c, d = BLOBS.num_classes, BLOBS.dim
     numbers = {"A": c * d, "N": c, "B": d * (d + 1) // 2, "D": c * d,
                "S": c * d * (d + 1) // 2}
     per_client = 8 * sum(numbers[s] for s in sent.split())  # float64 statistics, int64 counts
-    assert method.fit_metrics["comm/bytes_up_per_client"] == per_client
-    assert method.fit_metrics["comm/bytes_up"] == per_client * 5
-    assert method.fit_metrics["comm/rounds"] == 1
+    assert engine.fit_metrics["comm/bytes_up_per_client"] == per_client
+    assert engine.fit_metrics["comm/bytes_up"] == per_client * 5
+    assert engine.fit_metrics["comm/rounds"] == 1
 
 
 def test_the_broadcast_is_the_primary_head_and_the_sketch_seed(fit_method):
     dm = data(partition="iid", num_clients=5)
     method = GHOFL(heads=["lda", "qda"], sketch_dim=3)
-    fit_method(method, dm)
+    engine = fit_method(method, dm)
     c, k = BLOBS.num_classes, 3
-    assert method.fit_metrics["comm/bytes_down"] == 5 * ((k * c + c) * 8 + 8)
+    assert engine.fit_metrics["comm/bytes_down"] == 5 * ((k * c + c) * 8 + 8)
 
 
 # ---- absent classes, errors, the command line ------------------------------------------------

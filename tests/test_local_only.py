@@ -1,4 +1,4 @@
-"""Local-only: each client's own ridge head, nothing sent."""
+"""Local-only: each client's own ridge head, nothing sent, no global model."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,8 @@ import torch.nn.functional as nnf
 
 from workbench.data import FederatedDataModule, SyntheticBlobs
 from workbench.linalg import grouped_ridge
-from workbench.methods import LocalOnly
+from workbench.engines.local import LocalClients
+from workbench.methods import LocalOnly, Problem
 
 BLOBS = SyntheticBlobs(num_classes=5, dim=16, train_size=2000, test_size=200, separation=4.0, seed=6)
 
@@ -28,13 +29,31 @@ def test_each_head_is_the_clients_own_ridge_solution(fit_method):
     dm = data()
     sizes = torch.bincount(dm.train_client_ids, minlength=dm.num_clients)
     assert (sizes < BLOBS.dim).any() and (sizes >= BLOBS.dim).any()  # dual and primal solves
-    method = LocalOnly(gamma=0.3)
-    fit_method(method, dm)
+    engine = fit_method(LocalOnly(gamma=0.3), dm)
+    heads = engine.client_half.heads
+    assert torch.equal(engine.client_half.served, torch.arange(dm.num_clients))  # every client has data
     x = dm.train_features.double()
     for k in range(dm.num_clients):
         mine = dm.train_client_ids == k
         alone = own_ridge(x[mine], dm.train_labels[mine], dm.num_classes, 0.3)
-        assert torch.linalg.norm(method.heads[k] - alone) <= 1e-8 * torch.linalg.norm(alone)
+        assert torch.linalg.norm(heads[k] - alone) <= 1e-8 * torch.linalg.norm(alone)
+
+
+def test_one_cohort_call_equals_each_client_alone():
+    """`finish` over every client at once gives each client the head it fits alone."""
+    dm = data(num_clients=15)
+    method = LocalOnly(gamma=0.5)
+    method.setup(Problem((dm.feature_dim,), dm.num_classes, dm.num_clients))
+    clients = LocalClients(method, dm.train_features, dm.train_labels, dm.train_client_ids,
+                           torch.unique(dm.train_client_ids), batch_size=100)
+    assert clients.half.client_update(0, {}, clients.data) == ({}, {})  # nothing is sent
+    clients.half.finish({}, clients.data)
+    together = clients.half.heads.clone()
+    alone = method.client_half()  # a fresh half, as on another machine, one client at a time
+    alone.setup_clients(clients.served, len(dm.train_labels))
+    for k in clients.served:
+        alone.finish({}, clients.cohort(k[None]))
+    assert torch.linalg.norm(alone.heads - together) <= 1e-8 * torch.linalg.norm(together)
 
 
 def test_chunked_solve_equals_one_chunk():
@@ -48,22 +67,36 @@ def test_chunked_solve_equals_one_chunk():
 
 def test_nothing_is_sent(fit_method):
     method = LocalOnly()
-    fit_method(method, data())
-    metrics = method.fit_metrics
+    engine = fit_method(method, data())
+    metrics = engine.fit_metrics
     assert metrics["comm/bytes_up"] == metrics["comm/bytes_down"] == metrics["comm/rounds"] == 0
     assert metrics["time/local_s"] > 0
+    assert method.num_rounds == 0 and method.fitted and engine.trainer.current_epoch == 1  # one local pass
 
 
-def test_each_client_predicts_with_its_own_head_and_forward_averages_them(fit_method):
+def test_each_client_predicts_with_its_own_head_and_there_is_no_global_model(fit_method):
     dm = data(num_clients=10)
     method = LocalOnly()
-    trainer = fit_method(method, dm)
+    engine = fit_method(method, dm)
+    heads = engine.client_half.heads
     x, ids = dm.local_test_features, dm.local_test_client_ids
-    expected = torch.einsum("nd,ndc->nc", x.double(), method.heads[ids])
-    assert torch.allclose(method.predict_clients(x, ids), expected, rtol=0, atol=1e-12)
-    assert torch.allclose(method(x), (x.double() @ method.heads).mean(0), rtol=0, atol=1e-12)
-    result = trainer.test(method, datamodule=dm, verbose=False)[0]
+    expected = torch.einsum("nd,ndc->nc", x.double(), heads[ids])
+    assert torch.allclose(engine.client_half.predict(x, ids), expected, rtol=0, atol=1e-12)
+    assert not method.global_model and method.personalized
+    with pytest.raises(NotImplementedError, match="no global model"):
+        method(x)
+    result = engine.trainer.test(engine, datamodule=dm, verbose=False)[0]
     assert result["test/acc_local_mean"] > 0.8
+    assert "test/acc" not in result  # no global model to score on the global test split
+
+
+def test_testing_an_unfitted_model_is_a_clear_error():
+    from lightning import Trainer
+
+    from workbench.engines import LightningEngine
+    with pytest.raises(RuntimeError, match="not fitted"):
+        Trainer(logger=False, enable_progress_bar=False).test(LightningEngine(LocalOnly()), datamodule=data(5),
+                                                              verbose=False)
 
 
 def test_nonpositive_gamma_is_rejected():

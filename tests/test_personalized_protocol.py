@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import csv
 
+import pytest
 import torch
 
 from workbench.cli import main
 from workbench.data import FederatedDataModule, SyntheticBlobs
 from workbench.data.datamodule import stratified_holdout
+from workbench.methods import AnaPFL, LocalOnly
 
 BLOBS = SyntheticBlobs(num_classes=5, dim=8, train_size=3000, test_size=300, seed=1)
 
@@ -58,3 +60,20 @@ def test_global_method_is_scored_on_every_clients_local_test(tmp_path):
     accuracy = torch.tensor([float(r["acc"]) for r in rows])
     assert abs(float(logged["test/acc_local_mean"]) - float(accuracy.mean())) < 1e-6
     assert abs(float(logged["test/acc_local_min"]) - float(accuracy.min())) < 1e-6
+
+
+@pytest.mark.parametrize("make", [lambda: LocalOnly(), lambda: AnaPFL(hidden_dim=32, lambdas=[0.0, 0.5, 1.0])],
+                         ids=["LocalOnly", "AnaPFL"])
+def test_personalized_method_is_scored_with_each_clients_own_model(fit_method, make):
+    dm = personalized()
+    method = make()
+    engine = fit_method(method, dm)
+    result = engine.trainer.test(engine, datamodule=dm, verbose=False)[0]
+    assert ("test/acc" in result) == method.global_model  # LocalOnly has no global model
+    x, labels, ids = dm.local_test_features, dm.local_test_labels, dm.local_test_client_ids
+    correct = engine.client_half.predict(x, ids).argmax(1).eq(labels).double()
+    accuracy = torch.zeros(dm.num_clients, dtype=torch.float64).index_add_(0, ids, correct) / torch.bincount(ids)
+    assert engine.local_accuracy["client"] == list(range(dm.num_clients))
+    assert torch.allclose(torch.tensor(engine.local_accuracy["acc"], dtype=torch.float64), accuracy, atol=1e-12)
+    assert abs(result["test/acc_local_mean"] - float(accuracy.mean())) < 1e-6
+    assert abs(result["test/acc_local_min"] - float(accuracy.min())) < 1e-6

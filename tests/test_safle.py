@@ -10,8 +10,8 @@ import yaml
 from workbench.cli import main
 from workbench.data import FederatedDataModule, SyntheticBlobs
 from workbench.linalg import multi_hot_gram
-from workbench.methods import SAFLe
-from workbench.methods.base import ClientBatch
+from workbench.engines.local import LocalClients
+from workbench.methods import Problem, SAFLe
 
 BLOBS = SyntheticBlobs(num_classes=10, dim=6, train_size=1500, test_size=300, seed=1)
 # d_q = 6·3 = 18 digits, E·G = 24 > d_q (a second permutation is drawn), V = 8, E·V = 64
@@ -31,9 +31,13 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def set_up(method: SAFLe, dm: FederatedDataModule) -> SAFLe:
-    method.feature_dim, method.num_classes, method.num_clients = dm.feature_dim, dm.num_classes, dm.num_clients
-    method.setup_problem(dm.feature_dim, dm.num_classes, dm.num_clients)
+    method.setup(Problem((dm.feature_dim,), dm.num_classes, dm.num_clients))
     return method
+
+
+def local_clients(method: SAFLe, dm: FederatedDataModule, batch_size: int = 256) -> LocalClients:
+    return LocalClients(method, dm.train_features, dm.train_labels, dm.train_client_ids,
+                        torch.unique(dm.train_client_ids), batch_size)
 
 
 def dense_phi(active: torch.Tensor, rows: int) -> torch.Tensor:
@@ -110,7 +114,7 @@ def test_groups_are_seeded_permutations_of_the_digits():
 def scalar_codes(bucketing: str, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Digit codes (n, digits) of one feature swept over [−3, 3] with z = x, and its regions (n,)."""
     method = SAFLe(bucketing=bucketing, levels=levels, thresholds="calibrated", experts=1, group_size=1)
-    method.setup_problem(feature_dim=1, num_classes=2, num_clients=1)  # mean 0, std 1 before calibration: z = x
+    method.setup(Problem((1,), num_classes=2, num_clients=1))  # mean 0, std 1 before calibration: z = x
     x = torch.linspace(-3, 3, 1201, dtype=torch.float64)[:, None]
     return method.digit_code(x), torch.bucketize(x[:, 0], method.cut_points)
 
@@ -152,7 +156,8 @@ def test_uploads_equal_the_dense_one_hot_products(bucketing, raw_features):
     dm = data(num_clients=3, partition="iid")
     method = set_up(SAFLe(bucketing=bucketing, raw_features=raw_features, gamma=0.0, **SMALL), dm)
     x, y = dm.train_features, dm.train_labels
-    upload = method.client_step(ClientBatch(x, y, dm.train_client_ids, torch.arange(len(y)), new_clients=0))
+    clients = local_clients(method, dm)  # several chunks of rows
+    upload, _ = clients.half.client_update(0, {}, clients.data)
     rows, vocab, d = method.embedding_rows, method.vocab, dm.feature_dim
     phi = dense_phi(method.expert_indices(x), rows)
     onehot_y = torch.nn.functional.one_hot(y, dm.num_classes).double()
@@ -166,6 +171,35 @@ def test_uploads_equal_the_dense_one_hot_products(bucketing, raw_features):
         design = torch.cat([x.double(), phi], 1)
         assert relative_error(upload["gram"], design.T @ design) <= 1e-12
         assert relative_error(upload["cross"], design.T @ onehot_y) <= 1e-12
+
+
+@pytest.mark.parametrize("raw_features", [False, True])
+@pytest.mark.parametrize("thresholds", ["fixed", "calibrated"])
+def test_one_cohort_call_is_the_sum_of_each_clients_own_call(thresholds, raw_features):
+    """Every round, the client half vectorized over all clients equals the clients computing
+    alone, each on a client half of its own built from the settings only (as on a Flower node)."""
+    dm = data(partition="dirichlet", alpha=0.3, num_clients=7)
+    settings = dict(thresholds=thresholds, raw_features=raw_features, gamma=1.5, **SMALL)
+    method = set_up(SAFLe(**settings), dm)
+    together = local_clients(method, dm)
+    alone = []
+    for k in together.served.tolist():
+        mine = dm.train_client_ids == k
+        alone.append(LocalClients(set_up(SAFLe(**settings), dm), dm.train_features[mine], dm.train_labels[mine],
+                                  dm.train_client_ids[mine], torch.tensor([k]), batch_size=50))
+    for round_index in range(method.num_rounds):
+        broadcast = {name: value.clone() for name, value in method.broadcast().items()}
+        assert set(broadcast) == ({"feature_mean", "feature_std"} if round_index == 1 else set())
+        uploads, _ = together.half.client_update(round_index, broadcast, together.data)
+        summed = {}
+        for clients in alone:
+            upload, _ = clients.half.client_update(round_index, broadcast, clients.data)
+            summed = {name: summed.get(name, 0) + value for name, value in upload.items()}
+        assert set(summed) == set(uploads)
+        for name in uploads:
+            assert relative_error(summed[name], uploads[name]) <= 1e-12, (round_index, name)
+        method.server_update(uploads, len(alone))
+        method.rounds_done += 1
 
 
 # ---- federated = centralized ---------------------------------------------------------------------
@@ -217,15 +251,15 @@ def test_raw_features_beside_the_embedding_is_one_centralized_ridge(fit_method):
 def test_bytes_and_rounds_are_the_analytic_count(fit_method, thresholds, raw_features):
     dm = data(num_clients=10, partition="iid")
     method = SAFLe(thresholds=thresholds, raw_features=raw_features, **SMALL)
-    fit_method(method, dm)
+    engine = fit_method(method, dm)
     d, classes, k = BLOBS.dim, BLOBS.num_classes, 10
     side = 8 * 2 ** 3 + (d if raw_features else 0)  # E·V (+ d)
     calibrated = thresholds == "calibrated"
     per_client = (side * (side + 1) // 2 + side * classes + calibrated * (2 * d + 1)) * 8  # float64
-    assert method.fit_metrics["comm/bytes_up_per_client"] == per_client
-    assert method.fit_metrics["comm/bytes_up"] == per_client * k
-    assert method.fit_metrics["comm/bytes_down"] == (side * classes + calibrated * 2 * d) * 8 * k
-    assert method.fit_metrics["comm/rounds"] == method.num_rounds == (2 if calibrated else 1)
+    assert engine.fit_metrics["comm/bytes_up_per_client"] == per_client
+    assert engine.fit_metrics["comm/bytes_up"] == per_client * k
+    assert engine.fit_metrics["comm/bytes_down"] == (side * classes + calibrated * 2 * d) * 8 * k
+    assert engine.fit_metrics["comm/rounds"] == method.num_rounds == (2 if calibrated else 1)
 
 
 # ---- the command line and checkpoints -------------------------------------------------------------

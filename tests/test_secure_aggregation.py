@@ -8,7 +8,7 @@ from workbench.data import FederatedDataModule, SyntheticBlobs
 from workbench.federation import Federation
 from workbench.federation.secure_aggregation import (
     RING_MASK, SecureAggregator, decode, encode, ring_add, ring_sub, ring_sum)
-from workbench.methods import AFL, ClientBatch, DeepAFL, FedAvg
+from workbench.methods import AFL, OSFED, Cohort, DeepAFL, FedAvg, Problem
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -16,7 +16,7 @@ BLOBS = SyntheticBlobs(num_classes=5, dim=12, train_size=1200, test_size=300, se
 
 
 def data(num_clients: int = 8) -> FederatedDataModule:
-    # batches of 128 rows cut clients in two: the runtime must keep a client's upload whole
+    # chunks of 128 rows cut clients in two: a client's upload must stay whole
     dm = FederatedDataModule(dataset="synthetic", synthetic=BLOBS, num_clients=num_clients, partition="dirichlet",
                              alpha=0.5, min_partition_size=5, batch_size=128)
     dm.setup()
@@ -28,13 +28,15 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def each_clients_upload(method: AFL, dm: FederatedDataModule) -> list[dict[str, torch.Tensor]]:
-    method.setup_problem(dm.feature_dim, dm.num_classes, dm.num_clients)
-    method.num_classes = dm.num_classes
+    method.setup(Problem((dm.feature_dim,), dm.num_classes, dm.num_clients))
     uploads = []
     for k in range(dm.num_clients):
         mine = dm.train_client_ids == k
-        uploads.append(method.client_step(ClientBatch(dm.train_features[mine], dm.train_labels[mine],
-                                                      dm.train_client_ids[mine], mine.nonzero().squeeze(1), 1)))
+        half = method.client_half()
+        half.setup_clients(torch.tensor([k]), int(mine.sum()))
+        uploads.append(half.client_update(0, {}, Cohort(dm.train_features[mine], dm.train_labels[mine],
+                                                        dm.train_client_ids[mine], torch.tensor([k]),
+                                                        torch.arange(int(mine.sum()))))[0])
     return uploads
 
 
@@ -90,13 +92,25 @@ def test_a_masked_fit_gives_the_unmasked_model(fit_method, dropout):
     plain, masked = AFL(gamma=1.0, gamma_out=0.1), AFL(gamma=1.0, gamma_out=0.1)
     plain.federation = Federation(dropout=dropout, seed=2)
     masked.federation = Federation(dropout=dropout, seed=2, secure_aggregation=True)
-    fit_method(plain, dm)
-    fit_method(masked, dm)
+    plain_run, masked_run = fit_method(plain, dm), fit_method(masked, dm)
     assert relative_error(masked.weight, plain.weight) <= 1e-8
     assert relative_error(masked(dm.test_features), plain(dm.test_features)) <= 1e-8
-    assert masked.fit_metrics["comm/clients_in_round"] == plain.fit_metrics["comm/clients_in_round"]
-    assert masked.fit_metrics["comm/bytes_up"] == plain.fit_metrics["comm/bytes_up"]  # float64 = int64 ring
-    assert masked.fit_metrics["time/secure_aggregation_s"] > 0
+    assert masked_run.fit_metrics["comm/clients_in_round"] == plain_run.fit_metrics["comm/clients_in_round"]
+    assert masked_run.fit_metrics["comm/bytes_up"] == plain_run.fit_metrics["comm/bytes_up"]  # float64 = int64 ring
+    assert masked_run.fit_metrics["time/secure_aggregation_s"] > 0
+
+
+def test_gradient_updates_under_secure_aggregation_give_the_plain_model(fit_method):
+    """FedAvg's summed Δw is masked like any sum: the model equals the plain one up to the
+    fixed-point rounding (2^-33 per number and client)."""
+    dm = data()
+    weights = []
+    for secure in (False, True):
+        method = FedAvg(num_rounds=3, architecture="linear", lr=0.1, sample_fraction=0.5, seed=1)
+        method.federation = Federation(secure_aggregation=secure, dropout=0.25, seed=4)
+        fit_method(method, dm)
+        weights.append(method.flat_parameters())
+    assert relative_error(weights[1], weights[0]) <= 1e-6
 
 
 def test_a_multi_round_method_under_secure_aggregation(fit_method):
@@ -118,7 +132,7 @@ def test_an_upload_too_large_for_the_ring_names_the_fix():
 
 
 def test_methods_without_per_client_sums_are_refused(fit_method):
-    method = FedAvg(num_rounds=1, architecture="linear")
+    method = OSFED(num_rounds=1, architecture="linear")  # its snapshots are stacked, never summed
     method.federation = Federation(secure_aggregation=True)
     with pytest.raises(ValueError, match="secure_aggregation=false"):
         fit_method(method, data())

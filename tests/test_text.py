@@ -434,7 +434,7 @@ def test_afl_spam_config_runs_through_the_command_line(spam_slice, slice_cache, 
                 "--data.min_partition_size=5", f"--run_dir={tmp_path / 'runs'}",
                 "--trainer.enable_progress_bar=false"])
     assert cli.datamodule.hparams.backbone == "all_minilm_l6_v2"
-    assert cli.model.fitted and cli.trainer.callback_metrics["test/acc"] >= 0.85
+    assert cli.method.fitted and cli.trainer.callback_metrics["test/acc"] >= 0.85
 
 
 def test_modalities_must_match():

@@ -1,116 +1,16 @@
 """Command line: `python -m workbench fit|validate|test --config configs/X.yaml`.
 
-(`sweep` and `compare` are dispatched before this module is imported: see `__main__.py`.)
-
-The method (`model:`) and the data module (`data:`) are chosen by `class_path` (a short class
-name such as `AFL` works) with their `init_args`. A fit also tests the fitted model and prints a
-summary. Logs go to `<run_dir>/<run_name>/version_N/` as CSV, and to Weights & Biases (offline
-when no API key is configured).
+(`sweep` and `compare` are dispatched before this module is imported: see `__main__.py`; the
+config's parsing and the run live in `workbench.experiment`.)
 """
 from __future__ import annotations
 
-import contextlib
-import io
-import logging
-import os
-import warnings
-from pathlib import Path
-
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-
-from workbench.data import FederatedDataModule
-from workbench.federation import Federation
-from workbench.methods import FederatedMethod
-from workbench.runlog import log_hparams, make_loggers, print_summary
-
-
-class WorkbenchCLI(LightningCLI):
-    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.add_argument("--run_dir", default="runs", help="folder that holds every run's logs")
-        parser.add_argument("--run_name", default=None, help="default: <method>-<dataset>-<partition>-K<K>")
-        parser.add_argument("--wandb", default="auto", choices=["auto", "online", "offline", "disabled"],
-                            help="W&B mode; auto = online when an API key is configured, else offline")
-        parser.add_argument("--wandb_project", default="workbench")
-        parser.add_argument("--engine", default="lightning", choices=["lightning", "flower"],
-                            help="who runs a fit's rounds: lightning (in this process) or flower (a Flower "
-                                 "ServerApp and ClientApps, simulated locally on Ray; pip install -e '.[flower]')")
-        parser.add_argument("--federation", type=Federation, default=Federation(),
-                            help="protocol settings: dropout, secure_aggregation, fixed_point_bits, dp_sigma, seed")
-
-    def instantiate_trainer(self, **kwargs):
-        config = self._get(self.config_init, "trainer", default={})
-        if config.get("max_epochs") is None:  # one epoch is one round
-            kwargs["max_epochs"] = self.model.num_rounds
-        if config.get("strategy") == "ddp":  # Lightning's DDP, splitting clients instead of samples
-            from workbench.federation.distributed import FederatedDDPStrategy
-
-            kwargs["strategy"] = FederatedDDPStrategy()
-        if config.get("logger") in (None, True):
-            loggers = make_loggers(self.model, self.datamodule, run_dir=self._get(self.config, "run_dir"),
-                                   run_name=self._get(self.config, "run_name"),
-                                   wandb_mode=self._get(self.config, "wandb"),
-                                   wandb_project=self._get(self.config, "wandb_project"))
-            kwargs["logger"] = loggers
-            kwargs.setdefault("default_root_dir", loggers[0].log_dir)
-        return super().instantiate_trainer(**kwargs)
-
-    def before_fit(self) -> None:
-        self.model.federation = self._get(self.config_init, "federation")
-        log_hparams(self.trainer, self.model, self.datamodule)
-
-    def before_test(self) -> None:
-        log_hparams(self.trainer, self.model, self.datamodule)
-
-    def before_validate(self) -> None:
-        log_hparams(self.trainer, self.model, self.datamodule)
-        if self.datamodule.hparams.val_fraction == 0:
-            raise ValueError("there is no validation split to validate on: set data.val_fraction "
-                             "(e.g. 0.1) to hold out part of the training pool, or run `test`")
-
-    def fit(self, model, datamodule=None, **kwargs) -> None:
-        """The rounds run in this process (Lightning's loop) or over Flower (`--engine flower`)."""
-        if self._get(self.config, "engine") != "flower":
-            self.trainer.fit(model, datamodule=datamodule, **kwargs)
-            return
-        from workbench.federation import flower  # an optional extra: its import says how to install it
-
-        if kwargs.get("ckpt_path") is not None:
-            raise ValueError("the Flower engine fits a fresh model: drop ckpt_path")
-        traffic = flower.fit(self.trainer, model, datamodule)
-        print(f"Flower carried {traffic.bytes_up / 1e6:,.3f} MB up, {traffic.bytes_down / 1e6:,.3f} MB down "
-              f"(serialized arrays; down = the learned state); {traffic.wall_s:.1f} s with its start-up")
-
-    def after_fit(self) -> None:
-        if self.trainer.interrupted:
-            return
-        # Analytic fits take no optimizer steps, so Lightning's step-based checkpointing never
-        # fires: the fitted model is saved here, for `test --ckpt_path`.
-        checkpoint = Path(self.trainer.log_dir) / "model.ckpt"
-        self.trainer.save_checkpoint(checkpoint)
-        self.trainer.test(self.model, datamodule=self.datamodule, verbose=False)
-        # Every process takes part (reading trainer.log_dir is a collective); only rank 0 prints.
-        quiet = contextlib.nullcontext() if self.trainer.is_global_zero else contextlib.redirect_stdout(io.StringIO())
-        with quiet:
-            print_summary(self.trainer, self.model, checkpoint)
+from workbench.experiment import WorkbenchCLI, run
 
 
 def main(args: list[str] | None = None) -> WorkbenchCLI:
-    # An analytic method has no optimizer by design; Lightning's notice about it is noise here.
-    for notice in (".*configure_optimizers.* returned `None`", ".*does not have many workers",
-                   ".*no `val_dataloader`", ".*smaller than the logging interval"):
-        warnings.filterwarnings("ignore", message=notice)
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
-        lambda record: "Tip:" not in record.getMessage())  # advertisements for Lightning's cloud
-    os.environ.setdefault("WANDB_SILENT", "true")
-    return WorkbenchCLI(
-        FederatedMethod, FederatedDataModule,
-        subclass_mode_model=True, subclass_mode_data=True,
-        auto_configure_optimizers=False,
-        save_config_kwargs={"overwrite": True},
-        trainer_defaults={"num_sanity_val_steps": 0, "enable_model_summary": False,
-                          "enable_checkpointing": False},
-        args=args,
-    )
+    """Runs `fit|validate|test` with `args` (default: the command line); returns the finished CLI."""
+    return run(args)
 
 
 if __name__ == "__main__":

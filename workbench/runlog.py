@@ -45,19 +45,20 @@ def make_loggers(method, datamodule, *, run_dir: str, run_name: str | None, wand
     return loggers
 
 
-def log_hparams(trainer, method, datamodule) -> None:
+def log_hparams(trainer, engine, datamodule) -> None:
     """Logs the method's, the data's and the protocol's settings as `model.*`, `data.*`, `federation.*`.
 
     Lightning would merge both into one flat dict and refuse keys they share with different
     values (`model.seed` ≠ `data.seed` is a normal experiment), so its merge is turned off.
     """
-    method._log_hyperparams = datamodule._log_hyperparams = False
+    method = engine.method
+    engine._log_hyperparams = datamodule._log_hyperparams = False
     def public(hparams) -> dict:  # without the CLI's `_class_path`/`_instantiator` entries
         return {key: value for key, value in hparams.items() if not key.startswith("_")}
 
     hparams = {"model": {"class": type(method).__name__, **public(method.hparams_initial)},
                "data": public(datamodule.hparams_initial),
-               "federation": vars(method.federation)}  # dropouts, secure aggregation, noise
+               "federation": vars(engine.federation)}  # dropouts, secure aggregation, noise
     for logger in trainer.loggers:
         logger.log_hyperparams(hparams)
 
@@ -82,9 +83,10 @@ def _megabytes(value: float) -> str:
     return f"{value / 1e6:,.3f} MB"
 
 
-def print_summary(trainer, method, checkpoint: Path | None = None) -> None:
+def print_summary(trainer, engine, checkpoint: Path | None = None) -> None:
     """One screen: accuracy, rounds, bytes, time and where the logs are."""
-    metrics = {**getattr(method, "fit_metrics", {}),
+    method = engine.method
+    metrics = {**engine.fit_metrics,
                **{k: float(v) for k, v in trainer.callback_metrics.items()}}
     lines = [
         f"method            {type(method).__name__}",

@@ -40,8 +40,8 @@ class FederatedDDPStrategy(DDPStrategy):
 
     def configure_ddp(self) -> None:
         # No DistributedDataParallel: rounds synchronize their own statistics. Start every
-        # process from rank 0's state, as Lightning does for the stages it does not wrap.
-        broadcast_module_state(self.model)
+        # process from rank 0's global model (each process keeps its own clients' state).
+        broadcast_module_state(self.model.method)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:

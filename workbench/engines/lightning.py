@@ -49,7 +49,7 @@ class LightningEngine(LightningModule):
 
     Args:
         method: the server half (a `FederatedMethod`); its client half is built from it.
-        federation: the protocol (dropouts, secure aggregation, noise).
+        federation: the protocol (dropouts, secure aggregation, noise); default `method.federation`.
         clients: who runs the client halves; default the clients of this process
             (`LocalClients`); the Flower engine passes its SuperNodes.
     """
@@ -60,7 +60,8 @@ class LightningEngine(LightningModule):
             raise TypeError(f"the engine runs a workbench FederatedMethod, got {type(method).__name__}")
         self.automatic_optimization = False
         self.method = method
-        self.federation = federation or Federation()
+        if federation is not None:  # else the method's own (default: none of the protocol's parts)
+            self.federation = federation
         self.remote_clients = clients
         self.clients = None
         self.fit_metrics: dict[str, float] = {}
@@ -91,6 +92,10 @@ class LightningEngine(LightningModule):
             self.clients = self.remote_clients or self._local_clients(data)
             if isinstance(self.clients, LocalClients):
                 self.client_half = self.clients.half  # a submodule: checkpoints keep the clients' state
+                # each process keeps its own clients' state: never synchronized across processes
+                self._ddp_params_and_buffers_to_ignore = [
+                    f"client_half.{name}" for name, _ in self.client_half.named_parameters()] + [
+                    f"client_half.{name}" for name, _ in self.client_half.named_buffers()]
 
     def _local_clients(self, data) -> LocalClients:
         rows = slice(None)
@@ -153,7 +158,7 @@ class LightningEngine(LightningModule):
         dropped = protocol.dropped_clients(round_index, method.num_clients).to(self.device)[cohort]
         survivors, lost = cohort[~dropped], cohort[dropped]
         if len(survivors) == 0:
-            raise RuntimeError(f"every client asked in round {round_index} dropped out (federation.dropout = "
+            raise RuntimeError(f"every client dropped out of round {round_index} (federation.dropout = "
                                f"{protocol.dropout}): lower the dropout")
         secure = (SecureAggregator(cohort.tolist(), seed=protocol.seed, round_index=round_index,
                                    fixed_point_bits=protocol.fixed_point_bits,
@@ -293,13 +298,24 @@ class LightningEngine(LightningModule):
                 self._evaluate(logits, batch["labels"], self._head_acc[head], f"test/acc/{head}")
             return
         client_ids = batch["client_ids"]  # a client's local test split (personalized protocol)
+        if self._scored_remotely():
+            return
         logits = (self.clients.predict(batch["features"], client_ids) if method.personalized
                   else method(batch["features"]))
         correct = logits.argmax(dim=1).eq(batch["labels"])
         self._local_correct.index_add_(0, client_ids, correct.long())
         self._local_total.index_add_(0, client_ids, torch.ones_like(client_ids))
 
+    def _scored_remotely(self) -> bool:
+        """The clients score their own local test splits where they live (a transport with
+        `local_accuracy() -> (correct (K,), total (K,))`, e.g. Flower's) instead of `predict`."""
+        return self.method.personalized and hasattr(self.clients, "local_accuracy")
+
     def on_test_epoch_end(self) -> None:
+        if self._scored_remotely():
+            correct, total = self.clients.local_accuracy()
+            self._local_correct += correct.to(self.device)
+            self._local_total += total.to(self.device)
         tested = self._local_total > 0
         if not tested.any():
             return

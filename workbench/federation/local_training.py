@@ -7,9 +7,12 @@ client's step is taken at once with `torch.func.vmap(torch.func.grad(loss))` ove
 `torch.func.functional_call(model, params, inputs)`. The model itself only supplies the
 architecture (and its buffers); its parameters are never modified here.
 
-`local_sgd` — local epochs of minibatch SGD (FedAvg, FedProx; Ditto's personal objective):
+`local_sgd` — local epochs of minibatch SGD (FedAvg, FedProx; Ditto's personal objective;
+SCAFFOLD's corrected steps):
 
-    w_k ← w_k − lr · ∇ [ mean_{i ∈ batch} CE(f(x_i; w_k), y_i) + μ/2 ‖w_k − c‖² ]
+    w_k ← w_k − lr · ( ∇ [ mean_{i ∈ batch} CE(f(x_i; w_k), y_i) + μ/2 ‖w_k − c‖² ] + r_k )
+
+with r_k a constant linear correction of the gradient (0 by default; SCAFFOLD's c − c_k).
 
 In each epoch every client shuffles its own n_k samples and cuts them into ceil(n_k / B)
 minibatches (the last one smaller), so client k takes exactly epochs · ceil(n_k / B) steps,
@@ -85,6 +88,14 @@ def minibatch_schedule(
             yield index.clamp(min=0), index >= 0
 
 
+def local_steps(client_ids: Tensor, clients: Tensor, *, epochs: int, batch_size: int) -> Tensor:
+    """The SGD steps each of `clients` (m,) takes in `local_sgd`: epochs · ceil(n_k / B), (m,)."""
+    if len(clients) == 0:
+        return torch.zeros(0, dtype=torch.long, device=clients.device)
+    counts = torch.bincount(client_ids, minlength=int(clients.max()) + 1)[clients]
+    return epochs * (-(-counts // batch_size))
+
+
 def _per_client(value: Tensor | None, default: Tensor, m: int, name: str) -> tuple[Tensor, bool]:
     """A shared (param-shaped) or per-client ((m, *shape)) tensor -> (tensor, is_per_client)."""
     value = default if value is None else value
@@ -112,6 +123,7 @@ def local_sgd(
     prox_mu: float = 0.0,
     prox_center: dict[str, Tensor] | None = None,
     init: dict[str, Tensor] | None = None,
+    correction: dict[str, Tensor] | None = None,
 ) -> dict[str, Tensor]:
     """Local SGD of m clients at once; returns each client's trained parameters.
 
@@ -120,6 +132,8 @@ def local_sgd(
     prox_mu, prox_center: adds μ/2 ‖w − c‖² (FedProx, Ditto); c defaults to the model's
         parameters; each entry may be shared (param shape) or per client ((m, *shape)).
     init: per-client (m, *shape) or shared starting points; default the model's parameters.
+    correction: r, added to every step's gradient (the gradient of the linear term ⟨r, w⟩);
+        per entry shared (param shape) or per client ((m, *shape)); missing entries are 0.
     seed: the round's minibatch seed; client k shuffles with `client_generator(seed, k)`.
     Returns {name: (m, *param.shape)} in the order of `clients`, detached.
     """
@@ -136,7 +150,7 @@ def local_sgd(
         counts, descending=True, stable=True
     )  # busy clients first: a prefix works
 
-    params, center, center_per_client = {}, {}, {}
+    params, center, center_per_client, shift = {}, {}, {}, {}
     for name, value in global_params.items():
         start, per_client = _per_client(
             None if init is None else init.get(name), value, m, f"init[{name!r}]"
@@ -150,6 +164,11 @@ def local_sgd(
                 f"prox_center[{name!r}]",
             )
             center[name], center_per_client[name] = (c[by_size] if per_client else c), per_client
+        if correction is not None and name in correction:
+            r, per_client = _per_client(correction[name], value, m, f"correction[{name!r}]")
+            shift[name] = (r[by_size] if per_client else r.expand(m, *value.shape)).to(value)
+    if correction is not None and (unknown := sorted(set(correction) - set(global_params))):
+        raise ValueError(f"correction names {unknown}, which are not parameters of the model")
 
     def loss(
         p: dict[str, Tensor], c: dict[str, Tensor], x: Tensor, y: Tensor, weight: Tensor
@@ -179,7 +198,10 @@ def local_sgd(
             with torch.enable_grad():
                 step = client_grad(prefix, c, features[index], labels[index], weight)
             for name, value in prefix.items():
-                value.sub_(lr * step[name])  # in place on the prefix view
+                if name in shift:
+                    value.sub_(lr * (step[name] + shift[name][:active]))  # in place on the prefix view
+                else:
+                    value.sub_(lr * step[name])
     unsort = torch.argsort(by_size)
     return {name: value[unsort] for name, value in params.items()}
 

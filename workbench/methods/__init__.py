@@ -1,6 +1,14 @@
 """Federated methods. Each one is a `FederatedMethod` (server half) with its `ClientHalf`, in a file of its own."""
 from workbench.methods.afl import AFL
+from workbench.methods.anapfl import AnaPFL
+from workbench.methods.local_only import LocalOnly
 from workbench.methods.fedavg import FedAvg, FedProx
+from workbench.methods.ditto import Ditto
+from workbench.methods.osfed import OSFED
+from workbench.methods.scaffold import SCAFFOLD
+from workbench.methods.deepafl import DeepAFL
+from workbench.methods.safle import SAFLe
+from workbench.methods.ghofl import GHOFL
 from workbench.methods.base import ClientHalf, Cohort, FederatedMethod, Problem, RoundPlan, Upload
 
-__all__ = ["AFL", "FedAvg", "FedProx", "ClientHalf", "Cohort", "FederatedMethod", "Problem", "RoundPlan", "Upload"]
+__all__ = ["AFL", "AnaPFL", "LocalOnly", "FedAvg", "FedProx", "Ditto", "OSFED", "SCAFFOLD", "DeepAFL", "SAFLe", "GHOFL", "ClientHalf", "Cohort", "FederatedMethod", "Problem", "RoundPlan", "Upload"]

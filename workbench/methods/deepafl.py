@@ -22,9 +22,15 @@ the same information). The random layers are regenerated on every client from a 
 so only the seed (8 bytes, in the first broadcast) stands for them on the wire. (The official
 code uploads W Rᵀ F, h × f; FᵀR carries the same information in C/h of the bytes.)
 
-Clients keep Φ_{t−1} of every training sample between rounds (n × h in `dtype`: 0.5 GB for 60k
-samples at h = 1024 in float64), so a round costs one layer per sample, not t; F_t is recomputed
-in the W_t round rather than kept, which would double that memory.
+Broadcasts (what the clients need for the round): round 0 the seed; the Ω_t round W_{t−1}; the
+W_t round Ω_t; after the last round (`final_broadcast`) W_T. That is every W_t and Ω_t once.
+
+The client half (`DeepAFLClient`) keeps Φ_{t−1} of every sample it serves between rounds
+(n × h in `dtype`: 0.5 GB for 60k samples at h = 1024 in float64), so a round costs one layer per
+sample, not t, also for a client alone on its node; F_t is recomputed in the W_t round rather
+than kept, which would double that memory. The per-sample Φ is a cache, not saved in
+checkpoints: a client that lacks it (a resumed fit, a new process) rebuilds it from its samples
+and the Ω it received and keeps (`omega`, its only saved state).
 
 Each W_t minimizes the ridge risk J_t = ‖Y − Φ_t W_t‖² + γ‖W_t‖², and Ω = 0 is a feasible choice
 for Ω_t, so J_t + γ_s‖Ω_t‖² ≤ J_{t−1}: the training risk never increases with depth.
@@ -34,10 +40,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as nnf
-from torch import Tensor
+from torch import Tensor, nn
 
 from workbench.linalg import class_sums, identity_like, solve_spd
-from workbench.methods.base import ClientBatch, FederatedMethod
+from workbench.methods.base import SUMMED, SYMMETRIC, ClientHalf, Cohort, FederatedMethod, Problem
 
 ACTIVATIONS = {"gelu": nnf.gelu, "relu": torch.relu, "tanh": torch.tanh, "sigmoid": torch.sigmoid}
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -73,7 +79,121 @@ def solve_omega(hidden_gram: Tensor, hidden_residual: Tensor, classifier: Tensor
     return v @ (rotated / (gamma_s + s_f[:, None] * s_w[None, :])) @ u.T
 
 
-class DeepAFL(FederatedMethod):
+def round_plan(round_index: int) -> tuple[int, bool]:
+    """(t, whether round `round_index` solves Ω_t): round 2t − 1 solves Ω_t, round 2t solves W_t
+    (round 0: t = 0, W₀)."""
+    return (round_index + 1) // 2, round_index % 2 == 1
+
+
+def register_random_layers(module: nn.Module, seed: int, feature_dim: int, hidden_dim: int, block_dim: int,
+                           num_layers: int, dtype: torch.dtype, persistent: bool) -> None:
+    """A₀ (d, h), a₀ (h,), B_t (T, h, f), b_t (T, f) of `seed` as buffers of `module`."""
+    input_weight, input_bias = random_layer(seed, 0, feature_dim, hidden_dim, dtype)
+    block_weight = torch.empty(num_layers, hidden_dim, block_dim, dtype=dtype)
+    block_bias = torch.empty(num_layers, block_dim, dtype=dtype)
+    for t in range(1, num_layers + 1):
+        block_weight[t - 1], block_bias[t - 1] = random_layer(seed, t, hidden_dim, block_dim, dtype)
+    module.register_buffer("input_weight", input_weight, persistent=persistent)  # A₀ (d, h)
+    module.register_buffer("input_bias", input_bias, persistent=persistent)      # a₀ (h,)
+    module.register_buffer("block_weight", block_weight, persistent=persistent)  # B_t (T, h, f), t = 1..T
+    module.register_buffer("block_bias", block_bias, persistent=persistent)      # b_t (T, f)
+
+
+class ResidualNetwork:
+    """The residual network Φ_t, shared by the server half (its forward) and the client half (its
+    uploads): needs the buffers of `register_random_layers`, `omega` (T, f, h), `activation` and
+    `stat_dtype`."""
+
+    def input_features(self, features: Tensor) -> Tensor:
+        """Φ₀ = tanh(X A₀ + a₀): (n, d) -> (n, h)."""
+        x = features.to(self.stat_dtype)
+        return torch.tanh(torch.addmm(self.input_bias, x, self.input_weight))
+
+    def block_features(self, phi: Tensor, layer: int) -> Tensor:
+        """F_t = σ(Φ_{t−1} B_t + b_t) for t = `layer` ≥ 1: (n, h) -> (n, f)."""
+        weight, bias = self.block_weight[layer - 1], self.block_bias[layer - 1]
+        return self.activation(torch.addmm(bias, phi, weight))
+
+    def next_features(self, phi: Tensor, layer: int) -> Tensor:
+        """Φ_t = Φ_{t−1} + F_t Ω_t for t = `layer` ≥ 1: (n, h) -> (n, h)."""
+        return torch.addmm(phi, self.block_features(phi, layer), self.omega[layer - 1])
+
+    def features_at_depth(self, features: Tensor, depth: int) -> Tensor:
+        """Φ_depth from backbone features: (n, d) -> (n, h)."""
+        phi = self.input_features(features)
+        for layer in range(1, depth + 1):
+            phi = self.next_features(phi, layer)
+        return phi
+
+
+class DeepAFLClient(ResidualNetwork, ClientHalf):
+    """The clients: the random layers rebuilt from the seed, the Ω_t they received (`omega`, their
+    saved state) and Φ_{t−1} of every sample they serve (`phi`, a cache rebuilt when missing)."""
+
+    def __init__(self, problem: Problem, method: DeepAFL) -> None:
+        super().__init__(problem)
+        self.num_layers, self.hidden_dim, self.block_dim = method.num_layers, method.hidden_dim, method.block_dim
+        self.activation, self.seed, self.stat_dtype = method.activation, method.seed, method.stat_dtype
+        # regenerated from the seed: not state, so not saved
+        register_random_layers(self, self.seed, problem.feature_dim, self.hidden_dim, self.block_dim,
+                               self.num_layers, self.stat_dtype, persistent=False)
+        self.register_buffer("omega", torch.zeros(self.num_layers, self.block_dim, self.hidden_dim,
+                                                  dtype=self.stat_dtype))  # Ω_t as received
+
+    def setup_state(self) -> None:
+        # Φ of every served sample and its depth (−1: not computed). Caches, not checkpointed.
+        device = self.omega.device
+        self.register_buffer("phi", torch.empty(self.num_samples, self.hidden_dim, dtype=self.stat_dtype,
+                                                 device=device), persistent=False)
+        self.register_buffer("phi_depth", torch.full((self.num_samples,), -1, dtype=torch.long, device=device),
+                             persistent=False)
+
+    def _previous_features(self, part: Cohort, depth: int) -> Tensor:
+        """Φ_depth of the rows: from the cache, or rebuilt from the received Ω when it lacks them."""
+        rows = part.sample_index.to(self.phi.device)
+        if bool((self.phi_depth[rows] == depth).all()):
+            return self.phi[rows]
+        return self._keep(rows, self.features_at_depth(part.features, depth), depth)
+
+    def _keep(self, rows: Tensor, phi: Tensor, depth: int) -> Tensor:
+        self.phi[rows] = phi
+        self.phi_depth[rows] = depth
+        return phi
+
+    def client_update(self, round_index, broadcast, cohort: Cohort):
+        layer, solves_omega = round_plan(round_index)
+        h, f, classes = self.hidden_dim, self.block_dim, self.num_classes
+        if round_index == 0:
+            if int(broadcast["seed"]) != self.seed:
+                raise ValueError(f"the server's DeepAFL seed {int(broadcast['seed'])} differs from this client's "
+                                 f"{self.seed}: build the clients from the same DeepAFL settings as the server")
+        elif solves_omega:
+            classifier = broadcast["classifier"].to(self.omega)  # W_{t−1}
+        else:
+            self.omega[layer - 1] = broadcast["omega"].to(self.omega)  # Ω_t, kept to rebuild Φ
+        side = f if solves_omega else h
+        gram = self.omega.new_zeros(side, side)
+        cross = self.omega.new_zeros(side, classes)
+        for part in cohort.batches():
+            if round_index == 0:
+                phi = self._keep(part.sample_index.to(self.phi.device), self.input_features(part.features), 0)
+            else:
+                phi_previous = self._previous_features(part, layer - 1)
+                hidden = self.block_features(phi_previous, layer)
+                if solves_omega:  # FᵀF and FᵀR with R = Y − Φ_{t−1} W_{t−1}
+                    gram += hidden.T @ hidden
+                    cross += class_sums(hidden, part.labels, classes) - hidden.T @ (phi_previous @ classifier)
+                    continue
+                phi = self._keep(part.sample_index.to(self.phi.device),
+                                 torch.addmm(phi_previous, hidden, self.omega[layer - 1]), layer)
+            gram += phi.T @ phi
+            cross += class_sums(phi, part.labels, classes)
+        if solves_omega:
+            return {"hidden_gram": gram, "hidden_residual": cross}, {}
+        return {"gram": gram, "cross": cross}, {}
+
+
+class DeepAFL(ResidualNetwork, FederatedMethod):
     """Deep residual analytic federated learning: T gradient-free residual blocks, 2T + 1 rounds.
 
     Args:
@@ -88,10 +208,10 @@ class DeepAFL(FederatedMethod):
             solves (and so of what is sent).
 
     After a fit, `depth_accuracy[t]` is the test accuracy of the model of depth t (also logged
-    as `depth/test_acc` with step t).
+    as `depth/test_acc` with step t, through `depth_metrics`).
     """
 
-    symmetric_uploads = frozenset({"gram", "hidden_gram"})
+    uploads = {"gram": SYMMETRIC, "cross": SUMMED, "hidden_gram": SYMMETRIC, "hidden_residual": SUMMED}
 
     def __init__(self, num_layers: int = 20, hidden_dim: int = 1024, block_dim: int = 1024,
                  activation: str = "gelu", gamma: float = 1.0, gamma_s: float = 0.05, seed: int = 0,
@@ -118,11 +238,9 @@ class DeepAFL(FederatedMethod):
         self.gamma, self.gamma_s, self.seed = gamma, gamma_s, seed
         self.stat_dtype = DTYPES[dtype]
         self.depth_accuracy: list[float] = []
-        self._train_phi: Tensor | None = None  # Φ of every training sample, see `client_step`
-        self._train_phi_depth: int | None = None
         # Φ of evaluation data while fitting, advanced one layer per depth instead of rebuilt:
-        # key ("test",) or ("val", batch index) -> (depth, Φ)
-        self._eval_phi: dict[tuple, tuple[int, Tensor]] = {}
+        # key ("test",) or ("val", batch index) -> (depth, features, Φ)
+        self._eval_phi: dict[tuple, tuple[int, Tensor, Tensor]] = {}
 
     @property
     def num_rounds(self) -> int:
@@ -133,142 +251,85 @@ class DeepAFL(FederatedMethod):
         """Depth of the latest classifier: W₀ after round 1, W_t after round 2t + 1."""
         return max(self.round - 1, 0) // 2
 
-    def _round_plan(self) -> tuple[int, bool]:
-        """(t, whether this round solves Ω_t): round 2t − 1 solves Ω_t, round 2t solves W_t."""
-        return (self.round + 1) // 2, self.round % 2 == 1
-
-    def setup_problem(self, feature_dim: int, num_classes: int, num_clients: int) -> None:
+    def setup_problem(self, problem: Problem) -> None:
         h, f, layers = self.hidden_dim, self.block_dim, self.num_layers
         # Buffers, so that a checkpoint restores the model; the random ones are rebuilt from the
         # seed here and only overwritten by identical values.
-        input_weight, input_bias = random_layer(self.seed, 0, feature_dim, h, self.stat_dtype)
-        block_weight = torch.empty(layers, h, f, dtype=self.stat_dtype)
-        block_bias = torch.empty(layers, f, dtype=self.stat_dtype)
-        for t in range(1, layers + 1):
-            block_weight[t - 1], block_bias[t - 1] = random_layer(self.seed, t, h, f, self.stat_dtype)
-        self.register_buffer("input_weight", input_weight)  # A₀ (d, h)
-        self.register_buffer("input_bias", input_bias)      # a₀ (h,)
-        self.register_buffer("block_weight", block_weight)  # B_t (T, h, f), t = 1..T
-        self.register_buffer("block_bias", block_bias)      # b_t (T, f)
+        register_random_layers(self, self.seed, problem.feature_dim, h, f, layers, self.stat_dtype,
+                               persistent=True)
         self.register_buffer("omega", torch.zeros(layers, f, h, dtype=self.stat_dtype))  # Ω_t (T, f, h)
         self.register_buffer("classifier",  # W_t (T + 1, h, C), t = 0..T
-                             torch.zeros(layers + 1, h, num_classes, dtype=self.stat_dtype))
+                             torch.zeros(layers + 1, h, problem.num_classes, dtype=self.stat_dtype))
 
-    # ---- the network ----------------------------------------------------------------------
-    def input_features(self, features: Tensor) -> Tensor:
-        """Φ₀ = tanh(X A₀ + a₀): (n, d) -> (n, h)."""
-        x = features.to(self.stat_dtype)
-        return torch.tanh(torch.addmm(self.input_bias, x, self.input_weight))
-
-    def block_features(self, phi: Tensor, layer: int) -> Tensor:
-        """F_t = σ(Φ_{t−1} B_t + b_t) for t = `layer` ≥ 1: (n, h) -> (n, f)."""
-        weight, bias = self.block_weight[layer - 1], self.block_bias[layer - 1]
-        return self.activation(torch.addmm(bias, phi, weight))
-
-    def next_features(self, phi: Tensor, layer: int) -> Tensor:
-        """Φ_t = Φ_{t−1} + F_t Ω_t for t = `layer` ≥ 1: (n, h) -> (n, h)."""
-        return torch.addmm(phi, self.block_features(phi, layer), self.omega[layer - 1])
-
-    def features_at_depth(self, features: Tensor, depth: int) -> Tensor:
-        """Φ_depth from backbone features: (n, d) -> (n, h)."""
-        phi = self.input_features(features)
-        for layer in range(1, depth + 1):
-            phi = self.next_features(phi, layer)
-        return phi
+    def client_half(self) -> DeepAFLClient:
+        return DeepAFLClient(self.problem, self)
 
     def forward(self, features: Tensor) -> Tensor:
         """Logits of the latest depth, Φ_t W_t: (n, d) -> (n, C)."""
         return self.features_at_depth(features, self.depth) @ self.classifier[self.depth]
 
-    # ---- clients ----------------------------------------------------------------------------
-    def on_fit_start(self) -> None:
-        super().on_fit_start()
-        # Φ_{t−1} of every training sample (n × h in `dtype`), so that a round costs one layer
-        # per sample instead of t: batches are the same in every round (`sample_index`).
-        num_samples = len(self.trainer.datamodule.train_labels)
-        self._train_phi = torch.empty(num_samples, self.hidden_dim, dtype=self.stat_dtype,
-                                      device=self.device)
-        self._train_phi_depth = None  # filled by the next round (or rebuilt, on a resumed fit)
-        self.depth_accuracy = []
-
-    def on_train_end(self) -> None:
-        self._train_phi, self._train_phi_depth = None, None  # only needed while fitting
-        self._eval_phi = {}
-
-    def _previous_features(self, batch: ClientBatch, depth: int) -> Tensor:
-        """Φ_depth of the batch's samples: from the cache, or rebuilt when a fit was resumed."""
-        if self._train_phi_depth == depth:
-            return self._train_phi[batch.sample_index]
-        phi = self.features_at_depth(batch.features, depth)
-        self._train_phi[batch.sample_index] = phi
-        return phi
-
-    def client_step(self, batch: ClientBatch) -> dict[str, Tensor]:
-        layer, solves_omega = self._round_plan()
+    # ---- rounds -----------------------------------------------------------------------------
+    def broadcast(self) -> dict[str, Tensor]:
+        """Round 0: the seed of the random layers (SEED_BYTES); the Ω_t round: W_{t−1}; the W_t round: Ω_t."""
+        layer, solves_omega = round_plan(self.round)
         if self.round == 0:
-            phi = self.input_features(batch.features)
-        else:
-            phi_previous = self._previous_features(batch, layer - 1)
-            hidden = self.block_features(phi_previous, layer)
-            if solves_omega:  # FᵀF and FᵀR with R = Y − Φ_{t−1} W_{t−1}
-                predicted = phi_previous @ self.classifier[layer - 1]
-                return {"hidden_gram": hidden.T @ hidden,
-                        "hidden_residual": class_sums(hidden, batch.labels, self.num_classes)
-                        - hidden.T @ predicted}
-            phi = torch.addmm(phi_previous, hidden, self.omega[layer - 1])
-        self._train_phi[batch.sample_index] = phi
-        return {"gram": phi.T @ phi, "cross": class_sums(phi, batch.labels, self.num_classes)}
+            return {"seed": torch.tensor(self.seed, dtype=torch.int64)}
+        if solves_omega:
+            return {"classifier": self.classifier[layer - 1]}
+        return {"omega": self.omega[layer - 1]}
 
-    # ---- server -----------------------------------------------------------------------------
-    def server_step(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, Tensor]:
-        layer, solves_omega = self._round_plan()
+    def server_update(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, float]:
+        layer, solves_omega = round_plan(self.round)
         if solves_omega:
             self.omega[layer - 1] = solve_omega(uploads["hidden_gram"], uploads["hidden_residual"],
                                                 self.classifier[layer - 1], self.gamma_s)
-            self._train_phi_depth = layer - 1
-            return {"omega": self.omega[layer - 1]}
+            return {}
         gram = uploads["gram"] + self.gamma * identity_like(uploads["gram"])
         self.classifier[layer] = solve_spd(gram, uploads["cross"],
                                            what=f"DeepAFL's Gram matrix at depth {layer}")
-        self._train_phi_depth = layer
-        broadcast = {"classifier": self.classifier[layer]}
-        if self.round == 0:  # the random layers travel as their seed (SEED_BYTES), once
-            broadcast["seed"] = torch.tensor(self.seed, dtype=torch.int64)
-        return broadcast
+        return {}
+
+    def final_broadcast(self) -> dict[str, Tensor]:
+        """W_T, the classifier of the last depth."""
+        return {"classifier": self.classifier[self.depth]}
 
     # ---- accuracy at every depth ------------------------------------------------------------
-    def on_train_epoch_end(self) -> None:
-        super().on_train_epoch_end()
-        if self.round % 2 == 1:  # a classifier W_t was just solved
-            self._log_depth(self.depth)
-
     def _evaluation_features(self, key: tuple, features: Tensor, depth: int) -> Tensor:
         """Φ_depth of evaluation data (n, d) -> (n, h), one layer on from the previous depth's
-        Φ when it is kept under `key`: evaluating every depth costs T layers, not T²/2."""
-        kept_depth, phi = self._eval_phi.get(key, (None, None))
+        Φ when it is kept under `key` for the same data: evaluating every depth costs T layers,
+        not T²/2."""
+        kept_depth, kept_features, phi = self._eval_phi.get(key, (None, None, None))
+        if kept_depth is not None and not (kept_features.shape == features.shape
+                                           and kept_features.device == features.device
+                                           and torch.equal(kept_features, features)):
+            kept_depth = None  # other data under the same key: start again
         if kept_depth != depth:
             phi = (self.next_features(phi, depth) if depth > 0 and kept_depth == depth - 1
                    else self.features_at_depth(features, depth))
-            self._eval_phi[key] = (depth, phi)
+            self._eval_phi[key] = (depth, features, phi)
         return phi
 
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        if self.round == 0 or self.trainer.state.fn != "fit":  # `validate` after a fit: no cache
-            return super().validation_step(batch, batch_idx)
-        phi = self._evaluation_features(("val", batch_idx), batch["features"], self.depth)
-        self._evaluate(batch, self.val_acc, "val/acc", logits=phi @ self.classifier[self.depth])
+    def logits(self, features: Tensor, cache_key: tuple | None = None) -> Tensor:
+        """Logits of the latest depth; with `cache_key` (a validation batch while fitting) from a
+        kept Φ advanced one layer per depth."""
+        if cache_key is None:
+            return self(features)
+        return self._evaluation_features(cache_key, features, self.depth) @ self.classifier[self.depth]
 
     @torch.no_grad()
-    def _log_depth(self, depth: int) -> None:
-        """Test accuracy of depth `depth`, advancing the test set's Φ by one layer."""
-        data = self.trainer.datamodule
-        if getattr(data, "test_features", None) is None:
-            return
-        phi = self._evaluation_features(("test",), data.test_features.to(self.device), depth)
+    def depth_metrics(self, test_features: Tensor, test_labels: Tensor,
+                      fit_metrics: dict[str, float]) -> tuple[int, dict[str, float]] | None:
+        """After a W_t round: the test accuracy of depth t, advancing the test set's Φ by one layer."""
+        if self.round % 2 == 0:  # an Ω round: no new classifier
+            return None
+        depth = self.depth
+        if depth == 0:
+            self.depth_accuracy = []
+        phi = self._evaluation_features(("test",), test_features, depth)
         predicted = (phi @ self.classifier[depth]).argmax(dim=1)
-        accuracy = float((predicted == data.test_labels.to(self.device)).double().mean())
+        accuracy = float((predicted == test_labels).double().mean())
         self.depth_accuracy.append(accuracy)
-        metrics = {"depth/test_acc": accuracy, "depth/depth": float(depth),
-                   "depth/bytes_up": self.fit_metrics["comm/bytes_up"]}
-        for logger in self.loggers:
-            logger.log_metrics(metrics, step=depth)
+        if self.fitted:
+            self._eval_phi.pop(("test",), None)  # only needed while fitting
+        return depth, {"depth/test_acc": accuracy, "depth/depth": float(depth),
+                       "depth/bytes_up": fit_metrics["comm/bytes_up"]}

@@ -11,12 +11,15 @@ Personalization" (ICML 2021). Round t, global model w_t, sampled clients k:
        h_k(v_k) = CE_k(v_k) + λ/2 ‖v_k − w_t‖²,
 
    the pull towards the global model it just received (λ = 0: local-only training from w₀;
-   λ → ∞: v_k → w_t). Every v_k starts at w₀, the initial global model.
+   λ → ∞: v_k → w_t). Every v_k starts at w₀, the initial global model (rebuilt on the client
+   from the seed).
 
-A client predicts with its own v_k (`predict_clients`, the personalized protocol's local
-tests); `forward` is the global model w. Upload bytes and rounds are FedAvg's: v_k stays on
-the client. The personal models are one (K, P) buffer, so a checkpoint holds them; the sampled
-clients' personal steps run vectorized like the global ones.
+The personal models are client state: the client half (`DittoClient`) keeps them in a
+(clients served, P) buffer (`personal`), so a checkpoint holds them and a Flower node keeps its
+own; the cohort's personal steps run vectorized like the global ones, each client shuffling with
+a stream of its own. A client predicts with its own v_k (`DittoClient.predict`, the personalized
+protocol's local tests); `forward` is the global model w. Upload bytes and rounds are FedAvg's:
+v_k stays on the client.
 """
 from __future__ import annotations
 
@@ -24,9 +27,52 @@ import torch
 from torch import Tensor
 from torch.func import functional_call
 
-from workbench.federation.local_training import local_sgd
-from workbench.methods.base import ClientBatch
-from workbench.methods.fedavg import PERSONAL, FedAvg, round_generator
+from workbench.methods.base import Cohort, Problem
+from workbench.methods.fedavg import PERSONAL, FedAvg, FedAvgClient
+
+
+class DittoClient(FedAvgClient):
+    """FedAvg's clients, each also keeping its personal model v_k (`personal`: (served, P))."""
+
+    def __init__(self, problem: Problem, method: Ditto) -> None:
+        super().__init__(problem, method)
+        # w₀ (the net as built from the seed): where every personal model starts
+        self.register_buffer("initial", self.flat.vector().clone(), persistent=False)
+
+    def setup_state(self) -> None:
+        super().setup_state()
+        self.register_buffer("personal", self.initial.repeat(self.num_served, 1))
+
+    def client_update(self, round_index, broadcast, cohort: Cohort):
+        self.receive(broadcast)
+        if len(cohort.clients):
+            # The personal step first: its proximal centre is w_t, the model just received.
+            s, slots = self.settings, self.client_slots(cohort.clients)
+            trained = self.local_sgd(round_index, cohort, PERSONAL, epochs=s["personal_epochs"],
+                                     lr=s["personal_lr"], prox_mu=s["lam"],
+                                     init=self.flat.unflatten(self.personal[slots]))
+            self.personal[slots] = self.flat.flatten(trained)
+        return super().client_update(round_index, broadcast, cohort)  # FedAvg's global step
+
+    @torch.no_grad()
+    def predict(self, features: Tensor, client_ids: Tensor) -> Tensor:
+        """Each sample under its client's personal model v_k: (n, *input_shape), (n,) -> (n, C)."""
+        clients = torch.unique(client_ids)
+        slots = self.client_slots(clients)
+        served = self.served.to(clients.device)
+        if (slots >= len(served)).any() or not torch.equal(served[slots.clamp(max=len(served) - 1)], clients):
+            raise ValueError(f"these clients keep no personal model here: they are not served by this client "
+                             f"half ({sorted(set(clients.tolist()) - set(served.tolist()))})")
+        logits = None
+        for client, slot in zip(clients.tolist(), slots.tolist()):
+            mine = client_ids == client
+            params = {name: value[0] for name, value in
+                      self.flat.unflatten(self.personal[slot:slot + 1]).items()}
+            out = functional_call(self.net, params, (features[mine].to(self.personal.dtype),))
+            if logits is None:
+                logits = out.new_empty(len(features), out.shape[1])
+            logits[mine] = out
+        return logits
 
 
 class Ditto(FedAvg):
@@ -39,6 +85,9 @@ class Ditto(FedAvg):
         personal_lr: step size of the personal SGD (default: lr).
         **kwargs: FedAvg's arguments (rounds, head, local epochs, sampling, compression, seed).
     """
+
+    personalized = True
+    client_class = DittoClient
 
     def __init__(self, lam: float = 0.1, personal_epochs: int | None = None,
                  personal_lr: float | None = None, **kwargs) -> None:
@@ -54,32 +103,7 @@ class Ditto(FedAvg):
                 f"Ditto needs 0 ≤ lam < 2 / personal_lr = {2 / self.personal_lr:g} (personal SGD "
                 f"diverges on the proximal term beyond), got lam = {lam}: lower lam or personal_lr")
 
-    def setup_problem(self, feature_dim: int, num_classes: int, num_clients: int) -> None:
-        super().setup_problem(feature_dim, num_classes, num_clients)
-        # v_k of every client, flat: (K, P), all starting at w₀
-        self.register_buffer("personal", self.flat_parameters().repeat(num_clients, 1))
+    def settings(self) -> dict:
+        return {**super().settings(), "lam": self.lam, "personal_epochs": self.personal_epochs,
+                "personal_lr": self.personal_lr}
 
-    def client_step(self, batch: ClientBatch) -> dict[str, Tensor]:
-        clients = self.sample_clients()
-        # The personal step first: its proximal centre is w_t, the model the clients received.
-        trained = local_sgd(
-            self.net, batch.features, batch.labels, batch.client_ids, clients,
-            epochs=self.personal_epochs, lr=self.personal_lr, batch_size=self.local_batch_size,
-            generator=round_generator(self.seed, self.round, PERSONAL),
-            prox_mu=self.lam, init=self.unflatten(self.personal[clients]),
-        )
-        self.personal[clients] = self.flatten(trained)
-        return super().client_step(batch)  # FedAvg's global step (draws the same clients)
-
-    @torch.no_grad()
-    def predict_clients(self, features: Tensor, client_ids: Tensor) -> Tensor:
-        """Each sample under its client's personal model v_k: (n, d), (n,) -> (n, C)."""
-        logits = None
-        for client in torch.unique(client_ids).tolist():
-            mine = client_ids == client
-            params = {name: value[0] for name, value in self.unflatten(self.personal[client:client + 1]).items()}
-            out = functional_call(self.net, params, (features[mine],))
-            if logits is None:
-                logits = out.new_empty(len(features), out.shape[1])
-            logits[mine] = out
-        return logits

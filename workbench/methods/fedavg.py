@@ -106,9 +106,15 @@ class FedAvgClient(ClientHalf):
         """Local SGD of every cohort client from the received model: {name: (m, *shape)}."""
         s = self.settings
         options = {"epochs": s["local_epochs"], "lr": s["lr"], "prox_mu": s["prox_mu"], **options}
-        return local_sgd(self.net, cohort.features, cohort.labels, cohort.client_ids, cohort.clients,
+        features = cohort.features.to(self.dtype)  # the data as stored, the model's precision
+        return local_sgd(self.net, features, cohort.labels, cohort.client_ids, cohort.clients,
                          batch_size=s["local_batch_size"], seed=round_seed(s["seed"], round_index, stream),
                          **options)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The precision the clients train in (the model's)."""
+        return next(self.net.parameters()).dtype
 
     def client_update(self, round_index, broadcast, cohort: Cohort):
         self.receive(broadcast)

@@ -19,7 +19,12 @@ The server sums the uploads (sums are partition invariant) and builds the select
 (`workbench/methods/gaussian_heads.py` has the formulas): closed-form `nb_diag`, `lda`, `qda`,
 `fedcgs`; and `fishermix`, `proto_hyper`, trained by a nested Lightning Trainer on samples
 synthesized in the Fisher subspace from the same statistics, inside the same fit. Every head
-is scored at test time as `test/acc/<head>`; `forward` gives `primary_head`'s logits.
+is scored at test time as `test/acc/<head>` (`head_logits`); `forward` gives `primary_head`'s
+logits.
+
+Messages: the round's broadcast is the sketch seed when there is a sketch (8 bytes; nothing
+otherwise); after the round every client receives the primary head (`final_broadcast`). The
+client half (`GHOFLClient`) rebuilds the sketch from its seed and keeps no state.
 """
 from __future__ import annotations
 
@@ -30,11 +35,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from torch import Tensor, nn
-from torchmetrics.classification import MulticlassAccuracy
+from torch import Tensor
 
 from workbench.linalg import class_sums
-from workbench.methods.base import ClientBatch, FederatedMethod
+from workbench.methods.base import SUMMED, SYMMETRIC, ClientHalf, Cohort, FederatedMethod, Problem
 from workbench.methods.gaussian_heads import (
     FisherMixHead,
     GaussianMoments,
@@ -94,6 +98,60 @@ def _check_schedule(name: str, s: TrainingSchedule) -> None:
                          f"got {s}")
 
 
+def sketch_matrix(seed: int, feature_dim: int, sketch_dim: int, dtype: torch.dtype) -> Tensor:
+    """The public projection R = randn(d, k)/√d of `seed`."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(feature_dim, sketch_dim, generator=gen, dtype=dtype) / feature_dim ** 0.5
+
+
+class GHOFLClient(ClientHalf):
+    """The clients: the per-class sums and the second moments the selected heads need, of their
+    (sketched) features. The sketch comes from its seed (the round's broadcast); no state."""
+
+    def __init__(self, problem: Problem, method: GHOFL) -> None:
+        super().__init__(problem)
+        self.stat_dtype, self.sketch_dim, self.sketch_seed = method.stat_dtype, method.sketch_dim, method.sketch_seed
+        self.sends_class_second_moments = method.sends_class_second_moments
+        self.sends_second_moment, self.sends_square_sums = method.sends_second_moment, method.sends_square_sums
+        if self.sketch_dim is not None:  # public: regenerated from the seed, so not saved
+            self.register_buffer("sketch", sketch_matrix(self.sketch_seed, problem.feature_dim, self.sketch_dim,
+                                                         self.stat_dtype), persistent=False)
+
+    def head_input(self, features: Tensor) -> Tensor:
+        """(n, d) -> (n, d or k) in the statistics dtype, sketched when `sketch_dim` is set."""
+        x = features.to(self.stat_dtype)
+        return x @ self.sketch if self.sketch_dim is not None else x
+
+    def client_update(self, round_index, broadcast, cohort: Cohort):
+        if self.sketch_dim is not None and int(broadcast["sketch_seed"]) != self.sketch_seed:
+            raise ValueError(f"the server's sketch_seed {int(broadcast['sketch_seed'])} differs from this "
+                             f"client's {self.sketch_seed}: build the clients from the same GHOFL settings")
+        num_classes = self.num_classes
+        side = self.head_input(cohort.features[:0]).shape[1]
+        zeros = torch.zeros(side, dtype=self.stat_dtype, device=cohort.features.device)
+        uploads = {"class_sums": zeros.new_zeros(num_classes, side),
+                   "class_counts": torch.zeros(num_classes, dtype=torch.long, device=zeros.device)}
+        if self.sends_class_second_moments:
+            uploads["class_second_moments"] = zeros.new_zeros(num_classes, side, side)
+        if self.sends_second_moment:
+            uploads["second_moment"] = zeros.new_zeros(side, side)
+        if self.sends_square_sums:
+            uploads["class_square_sums"] = zeros.new_zeros(num_classes, side)
+        for part in cohort.batches():
+            x, labels = self.head_input(part.features), part.labels
+            uploads["class_sums"] += class_sums(x, labels, num_classes).T
+            uploads["class_counts"] += torch.bincount(labels, minlength=num_classes)
+            if self.sends_class_second_moments:
+                for c in labels.unique().tolist():  # a loop over classes, O(n·d²) in all
+                    members = x[labels == c]
+                    uploads["class_second_moments"][c] += members.T @ members
+            if self.sends_second_moment:
+                uploads["second_moment"] += x.T @ x
+            if self.sends_square_sums:
+                uploads["class_square_sums"] += class_sums(x ** 2, labels, num_classes).T
+        return uploads, {}
+
+
 class GHOFL(FederatedMethod):
     """Gaussian heads from one-shot sufficient statistics (and the FedCGS head), one round.
 
@@ -117,7 +175,6 @@ class GHOFL(FederatedMethod):
     logit −∞, so they are never predicted.
     """
 
-    symmetric_uploads = frozenset({"second_moment", "class_second_moments"})
 
     def __init__(self, heads: Sequence[str] = HEADS, primary_head: str | None = None,
                  shrinkage: float = 0.05, sketch_dim: int | None = None, sketch_seed: int = 0,
@@ -163,7 +220,7 @@ class GHOFL(FederatedMethod):
         self.stat_dtype = getattr(torch, dtype)
         self.fishermix: FisherMixHead | None = None
         self.proto_hyper: ProtoHyperHead | None = None
-        self.head_metrics: dict[str, float] = {}
+        self.head_metrics: dict[str, float] = {}  # the latest fit's server timings and final losses
 
         trained = any(h in heads for h in SYNTHETIC_HEADS)
         self.sends_class_second_moments = "qda" in heads or (trained and s.covariance == "class")
@@ -172,16 +229,28 @@ class GHOFL(FederatedMethod):
         self.sends_square_sums = not self.sends_class_second_moments and "nb_diag" in heads
         self.synthesis_uses_class_cov = self.sends_class_second_moments and s.covariance != "pooled"
 
+    @property
+    def uploads(self) -> dict:
+        """The sums and counts, and the second moments the selected heads need."""
+        spec = {"class_sums": SUMMED, "class_counts": SUMMED}
+        if self.sends_class_second_moments:
+            spec["class_second_moments"] = SYMMETRIC
+        if self.sends_second_moment:
+            spec["second_moment"] = SYMMETRIC
+        if self.sends_square_sums:
+            spec["class_square_sums"] = SUMMED
+        return spec
+
     # ---- setup ----------------------------------------------------------------------------
-    def setup_problem(self, feature_dim: int, num_classes: int, num_clients: int) -> None:
+    def setup_problem(self, problem: Problem) -> None:
+        feature_dim, num_classes = problem.feature_dim, problem.num_classes
         if self.sketch_dim is not None and self.sketch_dim >= feature_dim:
             raise ValueError(f"sketch_dim ({self.sketch_dim}) must be below the feature dimension "
                              f"({feature_dim}); use null for no sketch")
         side = self.sketch_dim or feature_dim
         if self.sketch_dim is not None:  # public: regenerated from the seed, so not saved
-            gen = torch.Generator().manual_seed(self.sketch_seed)
-            sketch = torch.randn(feature_dim, side, generator=gen, dtype=self.stat_dtype)
-            self.register_buffer("sketch", sketch / feature_dim ** 0.5, persistent=False)
+            self.register_buffer("sketch", sketch_matrix(self.sketch_seed, feature_dim, side, self.stat_dtype),
+                                 persistent=False)
         sizes = {"C": num_classes, "d": side}
         for head, buffers in HEAD_BUFFERS.items():
             if head in self.heads:
@@ -190,13 +259,13 @@ class GHOFL(FederatedMethod):
                     self.register_buffer(name, zeros)
         self.register_buffer("class_present", torch.ones(num_classes, dtype=torch.bool))
         self.register_buffer("fisher_basis", torch.zeros(side, 0, dtype=self.stat_dtype))
-        self.head_test_acc = nn.ModuleDict(
-            {head: MulticlassAccuracy(num_classes, average="micro") for head in self.heads})
 
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
+    def client_half(self) -> GHOFLClient:
+        return GHOFLClient(self.problem, self)
+
+    def before_restore(self, state) -> None:
         """The fit finds the Fisher dimension: rebuild the trained heads at the saved shapes."""
-        state = checkpoint["state_dict"]
-        self.fisher_basis = torch.empty_like(state["fisher_basis"])
+        self.fisher_basis = torch.empty_like(state["fisher_basis"], device=self.fisher_basis.device)
         self._new_trained_heads(self.fisher_basis.shape[1], int(state["class_present"].sum()))
 
     def _new_trained_heads(self, fisher_dim: int, num_present: int) -> None:
@@ -209,30 +278,19 @@ class GHOFL(FederatedMethod):
                     torch.manual_seed(self.seed + offset)
                     setattr(self, name, cls(fisher_dim, num_present, schedule))
 
-    # ---- client -----------------------------------------------------------------------------
+    # ---- server -----------------------------------------------------------------------------
     def head_input(self, features: Tensor) -> Tensor:
         """(n, d) -> (n, d or k) in the statistics dtype, sketched when `sketch_dim` is set."""
         x = features.to(self.stat_dtype)
         return x @ self.sketch if self.sketch_dim is not None else x
 
-    def client_step(self, batch: ClientBatch) -> dict[str, Tensor]:
-        x, labels, num_classes = self.head_input(batch.features), batch.labels, self.num_classes
-        uploads = {"class_sums": class_sums(x, labels, num_classes).T,
-                   "class_counts": torch.bincount(labels, minlength=num_classes)}
-        if self.sends_class_second_moments:
-            second = x.new_zeros(num_classes, x.shape[1], x.shape[1])
-            for c in labels.unique().tolist():  # a loop over classes, O(n·d²) in all
-                members = x[labels == c]
-                second[c] = members.T @ members
-            uploads["class_second_moments"] = second
-        if self.sends_second_moment:
-            uploads["second_moment"] = x.T @ x
-        if self.sends_square_sums:
-            uploads["class_square_sums"] = class_sums(x ** 2, labels, num_classes).T
-        return uploads
+    def broadcast(self) -> dict[str, Tensor]:
+        """The round's broadcast: the sketch seed (8 bytes) when the clients sketch, else nothing."""
+        if self.sketch_dim is not None:
+            return {"sketch_seed": torch.tensor(self.sketch_seed, dtype=torch.int64)}
+        return {}
 
-    # ---- server -----------------------------------------------------------------------------
-    def server_step(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, Tensor]:
+    def server_update(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, float]:
         seconds: dict[str, float] = {}
         start = time.perf_counter()
         moments = GaussianMoments.from_sums(
@@ -262,11 +320,8 @@ class GHOFL(FederatedMethod):
         for head in SYNTHETIC_HEADS:
             if head in self.heads:
                 curve = getattr(self, head).loss_curve
-                self.head_metrics[f"{head}/final_train_loss"] = curve[-1]
-                for logger in self.loggers:  # the whole curve, one step per nested epoch
-                    for epoch, loss in enumerate(curve):
-                        logger.log_metrics({f"{head}/train_loss": loss}, step=epoch)
-        return self.broadcast()
+                self.head_metrics[f"{head}/final_train_loss"] = curve[-1]  # the curve: `<head>.loss_curve`
+        return dict(self.head_metrics)
 
     @staticmethod
     def _second_moment(uploads: dict[str, Tensor]) -> Tensor:
@@ -292,7 +347,8 @@ class GHOFL(FederatedMethod):
         fisher_means = means @ basis
         z, labels = synthesize(fisher_means, fisher_covs, s.per_class,
                                torch.Generator().manual_seed(self.seed))
-        z, labels = z.to(self.device), labels.to(self.device)
+        device = self.class_present.device
+        z, labels = z.to(device), labels.to(device)
         self.fisher_basis = basis
         self._new_trained_heads(basis.shape[1], len(means))
         if self.proto_hyper is not None:
@@ -302,12 +358,12 @@ class GHOFL(FederatedMethod):
             module: SyntheticHead | None = getattr(self, head)
             if module is not None:
                 start = time.perf_counter()
-                train_on_synthetic(module, z, labels, seed=self.seed, device=self.device)
+                train_on_synthetic(module, z, labels, seed=self.seed, device=device)
                 seconds[head] = time.perf_counter() - start
         return seconds
 
-    def broadcast(self) -> dict[str, Tensor]:
-        """What every client receives: the primary head (and the sketch seed)."""
+    def final_broadcast(self) -> dict[str, Tensor]:
+        """What every client receives after the round: the primary head."""
         head = self.primary_head
         if head in HEAD_BUFFERS:
             message = {name: getattr(self, name) for name in HEAD_BUFFERS[head]}
@@ -315,16 +371,10 @@ class GHOFL(FederatedMethod):
             trained = {f"{head}.{k}": v for k, v in getattr(self, head).state_dict().items()}
             message = {"fisher_basis": self.fisher_basis, "class_present": self.class_present,
                        **trained}
-        if self.sketch_dim is not None:
-            message["sketch_seed"] = torch.tensor(self.sketch_seed, dtype=torch.int64)
         return message
 
-    def on_train_epoch_end(self) -> None:
-        self.fit_metrics.update(self.head_metrics)
-        super().on_train_epoch_end()
-
     # ---- prediction ---------------------------------------------------------------------------
-    def head_logits(self, head: str, features: Tensor) -> Tensor:
+    def logits_of_head(self, head: str, features: Tensor) -> Tensor:
         """Logits of one head: (n, d) -> (n, C)."""
         x = self.head_input(features)
         if head == "nb_diag":
@@ -338,18 +388,10 @@ class GHOFL(FederatedMethod):
         logits[:, self.class_present] = scores
         return logits
 
+    def head_logits(self, features: Tensor) -> dict[str, Tensor]:
+        """Logits of every selected head, scored as `test/acc/<head>`: (n, d) -> {head: (n, C)}."""
+        return {head: self.logits_of_head(head, features) for head in self.heads}
+
     def forward(self, features: Tensor) -> Tensor:
         """Logits of `primary_head`: (n, d) -> (n, C)."""
-        return self.head_logits(self.primary_head, features)
-
-    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        if self.round == 0:
-            return super().test_step(batch, batch_idx)  # the base class's "not fitted" error
-        labels = batch["labels"]
-        for head in self.heads:
-            predicted = self.head_logits(head, batch["features"]).argmax(1)
-            self.head_test_acc[head](predicted, labels)
-            self.log(f"test/acc/{head}", self.head_test_acc[head], on_step=False, on_epoch=True)
-            if head == self.primary_head:
-                self.test_acc(predicted, labels)
-                self.log("test/acc", self.test_acc, on_step=False, on_epoch=True)
+        return self.logits_of_head(self.primary_head, features)

@@ -6,55 +6,86 @@ one-hot labels Y_k, solves alone
     W_k = (X_kᵀX_k + γI)⁻¹ X_kᵀY_k  =  X_kᵀ(X_kX_kᵀ + γI)⁻¹ Y_k,
 
 the second (dual) form for clients with n_k < d, where it is an n_k × n_k solve instead of a
-d × d one (`workbench.linalg.grouped_ridge`, vectorized over clients). Client k predicts with
-its own head, X W_k. There is no global model: `forward` (the global test split, `test/acc`)
-gives the mean of the client heads' logits, X · mean_k W_k, an ensemble of the local models that
-no party holds — a reference number for how local models do on the whole distribution.
-Zero bytes, zero communication rounds (the one Lightning epoch is the clients' local pass).
+d × d one (`workbench.linalg.grouped_ridge`, vectorized over the clients of a cohort). Client k
+predicts with its own head, X W_k (`LocalOnlyClient.predict`).
+
+The heads are client state (`LocalOnlyClient.heads`, one per served client); the server holds
+no model at all (`global_model = False`): there is no global test accuracy (`test/acc`) any
+more. (The method once reported the mean of the client heads' logits on the global test split,
+an ensemble that only a party holding every head could form; with the heads on the clients that
+party does not exist, so the number is gone.)
+
+Zero bytes and zero communication rounds: `num_rounds` is 0. The engine still runs one pass
+(one Lightning epoch, `rounds_done` = 1) in which the clients receive and send nothing, and the
+clients fit their heads in `finish`, after the (empty) final broadcast; `round`, which the engine
+reports as `comm/rounds`, counts communication rounds and stays 0, and `fitted` / `require_fitted`
+read the pass instead.
 """
 from __future__ import annotations
-
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as nnf
 from torch import Tensor
 
 from workbench.linalg import grouped_matmul, grouped_ridge
-from workbench.methods.base import ClientBatch, FederatedMethod
+from workbench.methods.base import ClientHalf, Cohort, FederatedMethod, Problem
 
 
-def solve_on_clients(method: FederatedMethod,
-                     solve: Callable[[Tensor, Tensor, Tensor], dict[str, float]]) -> None:
-    """Run `solve(features, labels, client_ids)` on the clients' own training data, after a round.
+class LocalOnlyClient(ClientHalf):
+    """The clients' own ridge heads. State: `heads` (num_served, d, C), W_k of each served client
+    (zero until it has fitted)."""
 
-    For local solves that need each client's whole share, which the round's batches (that mix
-    clients and may cut one in two) do not give. The time counts as client time (and is logged
-    alone as `time/local_s`); the numbers `solve` returns join the round's logged metrics.
-    """
-    data = method.trainer.datamodule
-    start = time.perf_counter()
-    metrics = solve(data.train_features.to(method.device), data.train_labels.to(method.device),
-                    data.train_client_ids.to(method.device))
-    seconds = time.perf_counter() - start
-    method._totals["client_s"] += seconds
-    method.fit_metrics["time/client_s"] += seconds
-    if "time/fit_s" in method.fit_metrics:
-        method.fit_metrics["time/fit_s"] += seconds
-    method.fit_metrics.update({"time/local_s": seconds, **metrics})
+    def __init__(self, problem: Problem, method: LocalOnly) -> None:
+        super().__init__(problem)
+        self.gamma, self.stat_dtype = method.gamma, method.stat_dtype
+
+    def setup_state(self) -> None:
+        self.register_buffer("heads", torch.zeros(self.num_served, self.problem.feature_dim, self.num_classes,
+                                                  dtype=self.stat_dtype, device=self.served.device))
+
+    def client_update(self, round_index, broadcast, cohort: Cohort):
+        return {}, {}  # nothing is sent
+
+    @torch.no_grad()
+    def finish(self, broadcast, cohort: Cohort) -> dict[str, float]:
+        """Every client of the cohort solves its W_k on its own rows."""
+        x = cohort.features.flatten(1).to(self.stat_dtype)
+        targets = nnf.one_hot(cohort.labels, self.num_classes).to(self.stat_dtype)
+        position = torch.searchsorted(cohort.clients, cohort.client_ids)  # within the cohort
+        heads = grouped_ridge(x, targets, position, len(cohort.clients), self.gamma)
+        self.heads[self.client_slots(cohort.clients)] = heads.to(self.heads)
+        return {}
+
+    def predict(self, features: Tensor, client_ids: Tensor) -> Tensor:
+        """Each sample under its own client's head, x W_k: (n, d), (n,) -> (n, C); a client this
+        half does not serve (no training data) predicts zeros."""
+        x = features.flatten(1).to(self.stat_dtype)
+        slots, known = served_slots(self, client_ids)
+        return grouped_matmul(x, self.heads, slots) * known[:, None]
+
+
+def served_slots(half: ClientHalf, client_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Slots of `client_ids` (n,) among the half's served clients, and whether each is served
+    (an unserved id gets slot 0 and False)."""
+    if half.num_served == 0:
+        return torch.zeros_like(client_ids), torch.zeros_like(client_ids, dtype=torch.bool)
+    slots = half.client_slots(client_ids).clamp(max=half.num_served - 1)
+    return slots, half.served.to(client_ids.device)[slots] == client_ids
 
 
 class LocalOnly(FederatedMethod):
-    """Each client's own ridge head on its own backbone features; no communication.
+    """Each client's own ridge head on its own backbone features; no communication, no global model.
 
     Args:
         gamma: γ > 0, each client's ridge regularization.
         dtype: dtype of the solves and the heads (`float64` or `float32`).
 
-    Buffers: `heads` (K, d, C), client k's W_k; `mean_head` (d, C), the mean over the clients
-    that have training data (what `forward` uses). A client without training data has W_k = 0.
+    The server half holds nothing; the heads are the clients' (`LocalOnlyClient.heads`).
     """
+
+    personalized = True
+    global_model = False
+    uploads = {}
 
     def __init__(self, gamma: float = 1.0, dtype: str = "float64") -> None:
         super().__init__()
@@ -66,35 +97,30 @@ class LocalOnly(FederatedMethod):
         self.gamma = gamma
         self.stat_dtype = getattr(torch, dtype)
 
-    def setup_problem(self, feature_dim: int, num_classes: int, num_clients: int) -> None:
-        self.register_buffer("heads", torch.zeros(num_clients, feature_dim, num_classes, dtype=self.stat_dtype))
-        self.register_buffer("mean_head", torch.zeros(feature_dim, num_classes, dtype=self.stat_dtype))
+    @property
+    def num_rounds(self) -> int:
+        return 0  # communication rounds; the one pass of the fit sends nothing
 
-    def client_step(self, batch: ClientBatch) -> dict[str, Tensor]:
-        return {}  # nothing is sent; each client solves on its whole share after the pass
+    @property
+    def round(self) -> int:
+        return 0  # communication rounds done (`comm/rounds`): never any
 
-    def server_step(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, Tensor]:
-        return {}
+    @property
+    def fitted(self) -> bool:
+        return int(self.rounds_done) >= 1  # the local pass is done
 
-    def after_broadcast(self) -> None:
-        super().after_broadcast()
-        solve_on_clients(self, self.fit_heads)
-        self.fit_metrics["comm/rounds"] = 0.0  # the pass over the data was local work only
+    def require_fitted(self) -> None:
+        if not self.fitted:
+            raise RuntimeError(
+                "the model is not fitted: run `fit` first, or pass `--ckpt_path` of a fitted run "
+                "to `validate`/`test`")
 
-    @torch.no_grad()
-    def fit_heads(self, features: Tensor, labels: Tensor, client_ids: Tensor) -> dict[str, float]:
-        """Solve every client's W_k on its rows: (n, d), (n,), (n,) -> metrics to log (none)."""
-        x = features.to(self.stat_dtype)
-        targets = nnf.one_hot(labels, self.num_classes).to(self.stat_dtype)
-        self.heads = grouped_ridge(x, targets, client_ids, self.num_clients, self.gamma)
-        trained = torch.bincount(client_ids, minlength=self.num_clients) > 0
-        self.mean_head = self.heads[trained].mean(0)
+    def client_half(self) -> LocalOnlyClient:
+        return LocalOnlyClient(self.problem, self)
+
+    def server_update(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, float]:
         return {}
 
     def forward(self, features: Tensor) -> Tensor:
-        """Mean of the client heads' logits, X · mean_k W_k: (n, d) -> (n, C)."""
-        return features.to(self.stat_dtype) @ self.mean_head
-
-    def predict_clients(self, features: Tensor, client_ids: Tensor) -> Tensor:
-        """Each sample under its own client's head, x W_k: (n, d), (n,) -> (n, C)."""
-        return grouped_matmul(features.to(self.stat_dtype), self.heads, client_ids)
+        raise NotImplementedError("LocalOnly has no global model: each client predicts with its own head "
+                                  "(LocalOnlyClient.predict)")

@@ -20,30 +20,36 @@ in FedAvg, workbench/methods/fedavg.py):
    L-BFGS minimizes ‖α g(S) − Δg‖² / (‖Δg‖² + ε) — the same minimum over S (α ℓ is a label
    embedding too), without the flat start where g(S) ⟂ Δg — and the client sends α* ℓ*.
    Start: M² inputs drawn from a Gaussian with the client's input mean and standard deviation
-   (per dimension for features, per channel for images) and labels ℓ₀ = ∂⟨g(Z₀, ℓ), Δg⟩/∂ℓ,
+   (per dimension for features, per channel for images; the noise from the client's own stream,
+   `client_generator(round seed, k)`, the same alone on a Flower node) and labels ℓ₀ = ∂⟨g(Z₀, ℓ), Δg⟩/∂ℓ,
    the labels whose gradient correlates most with the target (one backward; no real sample
    or label enters the snapshot).
-4. e_k ← Δg_k − g(S_k*); client k uploads only S_k* (float32): M²·d + M²·C numbers for
-   features, c·R² + M²·C for images.
+4. e_k ← Δg_k − g(S_k*) (client state: the client half's `feedback`); client k uploads only
+   S_k* (float32), as stacked uploads (one row per client): M²·d + M²·C numbers for features,
+   c·R² + M²·C for images.
 5. Server: one forward/backward on the concatenation of the m snapshots (m·M² samples) gives
    ∇L_mean = (1/m) Σ_k g(S_k*), and w_{t+1} = w_t − η_s ∇L_mean (η_s = `server_lr`, 1 in the
    paper). It estimates FedAvg's w_t − (1/m) Σ_k Δw_k.
 
-Per round the method logs `osfed/match_loss` (mean over clients of the normalized matching
-loss at S*) and `osfed/residual_norm` (mean ‖e_k‖ after the round).
+The snapshot geometry (F, L_S, g, the fit) is `SnapshotGeometry`, shared by the client half
+(`OSFEDClient`, which fits) and the server (which recovers), each on its own copy of the model.
+Per round the clients report `osfed/match_loss` (the normalized matching loss at S*) and
+`osfed/residual_norm` (‖e_k‖ after the round) as sums over clients; the engine logs their means.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.func import functional_call, grad, grad_and_value, vmap
 
 from workbench.federation.compression import ErrorFeedback, as_sent
-from workbench.federation.local_training import lbfgs
-from workbench.methods.base import ClientBatch, FederatedMethod
-from workbench.methods.fedavg import SNAPSHOTS, FedAvg, round_generator
+from workbench.federation.local_training import client_generator, lbfgs
+from workbench.methods.base import STACKED, Cohort, Problem
+from workbench.methods.fedavg import SNAPSHOTS, FedAvg, FedAvgClient, round_seed
 from workbench.methods.heads import Architecture
 
 
@@ -64,87 +70,35 @@ def soft_cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
     return -(labels * F.log_softmax(logits, dim=-1)).sum(-1).mean()
 
 
-class OSFED(FedAvg):
-    """One snapshot per round (CVPR 2026).
+class SnapshotGeometry:
+    """F(Z), L_S and g(S) = ∇_w L_S(w) of snapshots under a model `net`, and the snapshot fit.
 
-    Args:
-        num_rounds, architecture, hidden_dim, local_epochs, lr, local_batch_size, sample_fraction,
-            server_lr, seed: as in FedAvg.
-        grid_size: M; the snapshot makes M² synthetic samples.
-        snapshot_resolution: R, side of the image snapshot map (default the image height);
-            a multiple of M. Unused for feature vectors.
-        lbfgs_steps: L-BFGS iterations per snapshot fit; lbfgs_history: its stored pairs.
-        match_eps: ε of the normalized matching loss.
-        error_feedback: carry e_k = Δg_k − g(S_k*) to the next round.
+    Shared by the client half (fits snapshots) and the server (recovers from them); each calls
+    `setup_snapshots` with its own net. Settings: grid_size M, snapshot_resolution R (images),
+    lbfgs_steps, lbfgs_history, match_eps.
     """
 
-    stacked_uploads = frozenset({"snapshot_inputs", "snapshot_labels"})
+    net: nn.Module
 
-    def __init__(
-        self,
-        num_rounds: int = 20,
-        architecture: Architecture = "mlp",
-        hidden_dim: int = 256,
-        local_epochs: int = 1,
-        lr: float = 0.05,
-        local_batch_size: int = 64,
-        sample_fraction: float = 1.0,
-        server_lr: float = 1.0,
-        grid_size: int = 2,
-        snapshot_resolution: int | None = None,
-        lbfgs_steps: int = 30,
-        lbfgs_history: int = 10,
-        match_eps: float = 1e-8,
-        error_feedback: bool = True,
-        seed: int = 0,
-    ) -> None:
-        super().__init__(
-            num_rounds=num_rounds,
-            architecture=architecture,
-            hidden_dim=hidden_dim,
-            local_epochs=local_epochs,
-            lr=lr,
-            local_batch_size=local_batch_size,
-            sample_fraction=sample_fraction,
-            server_lr=server_lr,
-            error_feedback=error_feedback,
-            seed=seed,
-        )
-        if grid_size < 1 or lbfgs_steps < 0 or lbfgs_history < 1 or not match_eps > 0:
-            raise ValueError(
-                f"OSFED needs grid_size ≥ 1, lbfgs_steps ≥ 0, lbfgs_history ≥ 1 and match_eps > 0, "
-                f"got {grid_size}, {lbfgs_steps}, {lbfgs_history}, {match_eps}"
-            )
-        if snapshot_resolution is not None and (
-            snapshot_resolution < grid_size or snapshot_resolution % grid_size
-        ):
-            raise ValueError(
-                f"snapshot_resolution must be a multiple of grid_size = {grid_size}, "
-                f"got {snapshot_resolution}"
-            )
-        self.save_hyperparameters()  # OS-FED's own (FedAvg's compression ones do not apply)
-        self.grid_size, self.snapshot_resolution = grid_size, snapshot_resolution
+    def setup_snapshots(self, input_shape: tuple[int, ...], num_classes: int, *, grid_size: int,
+                        snapshot_resolution: int | None, lbfgs_steps: int, lbfgs_history: int,
+                        match_eps: float) -> None:
+        self.input_shape, self.grid_size = tuple(input_shape), grid_size
         self.lbfgs_steps, self.lbfgs_history, self.match_eps = lbfgs_steps, lbfgs_history, match_eps
-
-    def setup_problem(self, feature_dim: int, num_classes: int, num_clients: int) -> None:
-        super().setup_problem(feature_dim, num_classes, num_clients)
-        shape = self.input_shape
-        self.on_images = len(shape) == 3
-        cells = self.grid_size**2
+        self.on_images = len(self.input_shape) == 3
+        cells = grid_size**2
         if self.on_images:
-            side = self.snapshot_resolution or shape[1]
-            if side % self.grid_size:
+            side = snapshot_resolution or self.input_shape[1]
+            if side % grid_size:
                 raise ValueError(
                     f"the snapshot side {side} (the image height unless snapshot_resolution is "
-                    f"set) must be a multiple of grid_size = {self.grid_size}"
+                    f"set) must be a multiple of grid_size = {grid_size}"
                 )
-            self.snapshot_shape = (shape[0], side, side)
+            self.snapshot_shape = (self.input_shape[0], side, side)
         else:
-            self.snapshot_shape = (cells, *shape)
+            self.snapshot_shape = (cells, *self.input_shape)
         self.label_shape = (cells, num_classes)
         self.snapshot_numel = torch.Size(self.snapshot_shape).numel()
-        numel = self.flat_parameters().numel()
-        self.feedback = ErrorFeedback(num_clients, numel) if self.use_error_feedback else None
 
     # ---- the snapshot's gradient ------------------------------------------------------------
     def synthetic_samples(self, snapshot: Tensor) -> Tensor:
@@ -270,46 +224,135 @@ class OSFED(FedAvg):
         loss = ((recovered - targets) ** 2).sum(1) / (squares + self.match_eps)
         return snapshot, labels, recovered, loss
 
-    def initial_snapshots(self, batch: ClientBatch, clients: Tensor) -> Tensor:
+
+
+class OSFEDClient(SnapshotGeometry, FedAvgClient):
+    """OS-FED's clients: FedAvg's local SGD, then each Δw_k + e_k fitted by a snapshot.
+
+    State: the model as last received (`net`), each served client's residual e_k (`feedback`).
+    """
+
+    def __init__(self, problem: Problem, method: OSFED) -> None:
+        super().__init__(problem, method)
+        s = self.settings
+        self.setup_snapshots(problem.input_shape, problem.num_classes, grid_size=s["grid_size"],
+                             snapshot_resolution=s["snapshot_resolution"], lbfgs_steps=s["lbfgs_steps"],
+                             lbfgs_history=s["lbfgs_history"], match_eps=s["match_eps"])
+
+    def setup_state(self) -> None:  # lossless in FedAvg's sense, but a snapshot loses: feedback
+        numel = self.flat.vector().numel()
+        self.feedback = ErrorFeedback(self.num_served, numel) if self.settings["error_feedback"] else None
+
+    def initial_snapshots(self, round_index: int, cohort: Cohort) -> Tensor:
         """Random start (m, *snapshot_shape): inputs ~ N(client mean, client std²), per dimension
-        for features, per channel for images."""
-        generator = round_generator(self.seed, self.round, SNAPSHOTS)
+        for features, per channel for images; client k's noise from its own stream."""
+        clients = cohort.clients
         m = len(clients)
-        slot = torch.full((self.num_clients,), -1, dtype=torch.long, device=clients.device)
-        slot[clients] = torch.arange(m, device=clients.device)
-        rows = slot[batch.client_ids]
-        mine = rows >= 0
+        rows = torch.searchsorted(clients, cohort.client_ids)  # each row's position in the cohort
         # (n, d, 1) for features, (n, c, H·W) for images: moments per dimension / per channel
-        x = batch.features[mine].reshape(int(mine.sum()), *self.input_shape[:1], -1)
-        rows = rows[mine]
+        x = cohort.features.to(self.dtype).reshape(len(cohort), *self.input_shape[:1], -1)
         count = torch.bincount(rows, minlength=m).clamp_min(1).to(x.dtype)
         mean = x.new_zeros(m, *x.shape[1:]).index_add_(0, rows, x).mean(-1) / count[:, None]
         square = x.new_zeros(m, *x.shape[1:]).index_add_(0, rows, x**2).mean(-1) / count[:, None]
         std = (square - mean**2).clamp_min(0).sqrt()
-        noise = torch.randn(m, *self.snapshot_shape, generator=generator, dtype=torch.float32).to(x)
+        seed = round_seed(self.settings["seed"], round_index, SNAPSHOTS)
+        noise = torch.stack([
+            torch.randn(self.snapshot_shape, generator=client_generator(seed, int(client)), dtype=torch.float32)
+            for client in clients.tolist()
+        ]).to(x) if m else x.new_zeros(0, *self.snapshot_shape)
         if self.on_images:  # per channel
             return mean[:, :, None, None] + std[:, :, None, None] * noise
         return mean[:, None, :] + std[:, None, :] * noise  # per dimension
 
-    def encode_updates(
-        self, clients: Tensor, updates: Tensor, batch: ClientBatch
-    ) -> dict[str, Tensor]:
-        """Fit S_k* to Δg_k = Δw_k + e_k, keep e_k ← Δg_k − g(S_k*), upload the snapshots."""
-        targets = self.feedback.target(clients, updates) if self.feedback is not None else updates
-        snapshot, labels, recovered, loss = self.fit_snapshots(
-            targets, self.initial_snapshots(batch, clients)
-        )
+    def encode(self, round_index: int, cohort: Cohort, updates: Tensor) -> tuple[dict[str, Tensor], dict]:
+        """Fit S_k* to Δg_k = Δw_k + e_k, keep e_k ← Δg_k − g(S_k*), upload the snapshots (stacked)."""
+        slots = self.client_slots(cohort.clients)
+        targets = self.feedback.target(slots, updates) if self.feedback is not None else updates
+        snapshot, labels, recovered, loss = self.fit_snapshots(targets, self.initial_snapshots(round_index, cohort))
         if self.feedback is not None:
-            self.feedback.keep(clients, targets, recovered)
+            self.feedback.keep(slots, targets, recovered)
         residual = targets - recovered
-        self.round_metrics["osfed/match_loss"] = float(loss.mean())
-        self.round_metrics["osfed/residual_norm"] = float(residual.norm(dim=1).mean())
-        return {"snapshot_inputs": snapshot.float(), "snapshot_labels": labels.float()}
+        metrics = {"osfed/match_loss": float(loss.sum()), "osfed/residual_norm": float(residual.norm(dim=1).sum())}
+        return {"snapshot_inputs": snapshot.float(), "snapshot_labels": labels.float()}, metrics
 
-    def upload_bytes_per_client(self, uploads: dict[str, Tensor]) -> int:
-        # one stacked row, the snapshot (not FedAvg's compressor count)
-        return FederatedMethod.upload_bytes_per_client(self, uploads)
 
-    def server_step(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, Tensor]:
+class OSFED(SnapshotGeometry, FedAvg):
+    """One snapshot per round (CVPR 2026).
+
+    Args:
+        num_rounds, architecture, hidden_dim, local_epochs, lr, local_batch_size, sample_fraction,
+            server_lr, seed: as in FedAvg.
+        grid_size: M; the snapshot makes M² synthetic samples.
+        snapshot_resolution: R, side of the image snapshot map (default the image height);
+            a multiple of M. Unused for feature vectors.
+        lbfgs_steps: L-BFGS iterations per snapshot fit; lbfgs_history: its stored pairs.
+        match_eps: ε of the normalized matching loss.
+        error_feedback: carry e_k = Δg_k − g(S_k*) to the next round.
+    """
+
+    uploads = {"snapshot_inputs": STACKED, "snapshot_labels": STACKED}
+    client_class = OSFEDClient
+
+    def __init__(
+        self,
+        num_rounds: int = 20,
+        architecture: Architecture = "mlp",
+        hidden_dim: int = 256,
+        local_epochs: int = 1,
+        lr: float = 0.05,
+        local_batch_size: int = 64,
+        sample_fraction: float = 1.0,
+        server_lr: float = 1.0,
+        grid_size: int = 2,
+        snapshot_resolution: int | None = None,
+        lbfgs_steps: int = 30,
+        lbfgs_history: int = 10,
+        match_eps: float = 1e-8,
+        error_feedback: bool = True,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(
+            num_rounds=num_rounds,
+            architecture=architecture,
+            hidden_dim=hidden_dim,
+            local_epochs=local_epochs,
+            lr=lr,
+            local_batch_size=local_batch_size,
+            sample_fraction=sample_fraction,
+            server_lr=server_lr,
+            error_feedback=error_feedback,
+            seed=seed,
+        )
+        if grid_size < 1 or lbfgs_steps < 0 or lbfgs_history < 1 or not match_eps > 0:
+            raise ValueError(
+                f"OSFED needs grid_size ≥ 1, lbfgs_steps ≥ 0, lbfgs_history ≥ 1 and match_eps > 0, "
+                f"got {grid_size}, {lbfgs_steps}, {lbfgs_history}, {match_eps}"
+            )
+        if snapshot_resolution is not None and (
+            snapshot_resolution < grid_size or snapshot_resolution % grid_size
+        ):
+            raise ValueError(
+                f"snapshot_resolution must be a multiple of grid_size = {grid_size}, "
+                f"got {snapshot_resolution}"
+            )
+        self.save_hyperparameters()  # OS-FED's own (FedAvg's compression ones do not apply)
+        self.grid_size, self.snapshot_resolution = grid_size, snapshot_resolution
+        self.lbfgs_steps, self.lbfgs_history, self.match_eps = lbfgs_steps, lbfgs_history, match_eps
+
+    def settings(self) -> dict:
+        return {**super().settings(), "grid_size": self.grid_size, "snapshot_resolution": self.snapshot_resolution,
+                "lbfgs_steps": self.lbfgs_steps, "lbfgs_history": self.lbfgs_history, "match_eps": self.match_eps}
+
+    def setup_problem(self, problem: Problem) -> None:
+        super().setup_problem(problem)
+        self.setup_snapshots(problem.input_shape, problem.num_classes, grid_size=self.grid_size,
+                             snapshot_resolution=self.snapshot_resolution, lbfgs_steps=self.lbfgs_steps,
+                             lbfgs_history=self.lbfgs_history, match_eps=self.match_eps)
+
+    def upload_bytes_per_client(self, upload: Mapping[str, Tensor]) -> None:
+        return None  # one stacked row of dense float32 snapshots: the codec counts it
+
+    def server_update(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, float]:
+        """w ← w − η_s ∇L_mean of the stacked snapshots (the survivors', in client order)."""
         self.apply_update(self.recover(uploads["snapshot_inputs"], uploads["snapshot_labels"]))
-        return {"weights": self.flat_parameters()}
+        return {}

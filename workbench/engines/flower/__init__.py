@@ -1,0 +1,55 @@
+"""The Flower engine (`--engine flower`): a method's rounds with its clients on Flower SuperNodes.
+
+The server runs `LightningEngine` as in process (Lightning's loop, the protocol: dropouts,
+secure aggregation, noise; logging, timing, checkpoints of the global model); only its clients
+transport differs: `FlowerClients` (`transport`) sends each round's cohort (one SuperNode per
+client, `partition-id` k) a Message with the round index, the plan's broadcast (not the learned
+state), the run's spec (method and data classes with their init arguments) and, under secure
+aggregation, the round's participants, seed and fixed-point bits. The ClientApp (`client_app`)
+rebuilds the method and the data from the spec, builds the client half for its client,
+restores the half's buffers and parameters from the node's own `context.state` (so clients keep
+their state across rounds: DeepAFL's Φ cache, Ditto's personal heads, error feedback), runs
+`client_update` on its own rows and replies with its uploads (symmetric ones as upper
+triangles, `workbench.federation.codec`) or its masked ring vector. Dropped clients get the
+message and compute too; their replies carry no upload. The server combines the survivors'
+replies in client order (sums; stacked uploads concatenated). After the last round every client
+gets the final broadcast and runs `finish`; for the local tests of personalized methods each
+client scores its own local test split (`evaluate` messages; `LightningEngine` asks a transport
+with `local_accuracy`). No method-specific code: any `FederatedMethod` runs.
+
+Secure aggregation. Flower 1.42 ships `SecAggPlusWorkflow` with `secaggplus_mod`, but they do
+not fit this engine: the workflow drives the legacy Strategy/`FitIns` path (it requires a
+`LegacyContext` and a `NumPyClient`-style `FitRes` with `num_examples`), it clips and quantizes
+floats to a small range (approximate sums; it also weights by num_examples) and it runs its own
+four message stages per round. So our own masks travel in the Messages: each ClientApp builds
+the round's `SecureAggregator` from the settings it receives and sends
+`masked_upload(k, upload)` (int64 ring elements) with its layout (names, shapes, dtypes); the
+server ring-sums the survivors' vectors and `LightningEngine` unmasks the exact sum as in
+process. As in process, the key agreement and Shamir shares are not simulated (pair seeds
+derive from the federation seed).
+
+Metrics: the engine's own (`comm/*` count the arrays' payload bytes: the same as in process), and
+`flower/bytes_up`, `flower/bytes_down` (the serialized arrays actually carried: numpy .npy bytes
+with headers and names; downlink = the broadcast + that framing, per message) and
+`flower/client_compute_s` (the clients' own seconds, summed). `time/client_s` is the server's
+wait for its clients, transport included.
+
+Running: `simulation.fit(trainer, engine, datamodule)` runs the fit and the test in a local Ray
+simulation (one SuperNode per client; Ray's and Flower's files under the run folder), or on the
+deployed grid inside `server_app`. `simulation.fit_over_flower(method, datamodule, ...)` is the
+one-call form for tests. Deployed, a SuperLink and SuperNodes run `server_app:app` and
+`client_app:app` (`write_app` writes the Flower App that `flwr run` submits). The clients' state
+exists only while the Flower run lives: checkpoints hold the global model, not the clients' state.
+"""
+INSTALL_HINT = ("the Flower engine needs Flower, an optional extra: pip install -e '.[flower]' "
+                "(it installs flwr[simulation], which brings Ray)")
+
+try:
+    import flwr  # noqa: F401
+except ImportError as missing:  # the extra is not installed
+    raise ImportError(INSTALL_HINT) from missing
+
+from workbench.engines.flower.spec import RunSpec  # noqa: E402
+from workbench.engines.flower.transport import FlowerClients, FlowerTraffic  # noqa: E402
+
+__all__ = ["INSTALL_HINT", "FlowerClients", "FlowerTraffic", "RunSpec"]
