@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workbench.federation.local_training import lbfgs, local_sgd, minibatch_schedule
+from workbench.federation.local_training import lbfgs, local_sgd, local_steps, minibatch_schedule
 from workbench.methods.heads import build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -273,3 +273,65 @@ def test_lbfgs_never_increases_the_loss_and_solves_a_quadratic():
         previous = value
     x, _ = lbfgs(quadratic, start, steps=60)
     torch.testing.assert_close(x, optimum, rtol=1e-6, atol=1e-6)
+
+
+def test_a_clients_training_is_the_same_on_its_rows_alone_or_among_others():
+    """A Flower node holds only its client's rows: its minibatches (as samples) and its trained
+    model must be those it gets among every other client's rows in process."""
+    features, labels, client_ids = toy_clients()
+    model = build_model("mlp", (6,), 4, hidden_dim=8, seed=1).double()
+    everyone = torch.tensor([0, 1, 2, 4])
+    options = dict(epochs=2, lr=0.1, batch_size=7, seed=3, prox_mu=0.3)
+    together = local_sgd(model, features, labels, client_ids, everyone, **options)
+    for row, client in enumerate(everyone.tolist()):
+        mine = (client_ids == client).nonzero().squeeze(1)  # its rows, in their order
+        schedule = minibatch_schedule(client_ids, everyone, epochs=2, batch_size=7, seed=3)
+        among = [index[row][mask[row]] for index, mask in schedule if mask[row].any()]
+        schedule = minibatch_schedule(client_ids[mine], torch.tensor([client]), epochs=2, batch_size=7, seed=3)
+        alone = [mine[index[0][mask[0]]] for index, mask in schedule if mask[0].any()]  # back to positions
+        assert len(alone) == len(among) and all(torch.equal(a, b) for a, b in zip(alone, among))
+        by_itself = local_sgd(model, features[mine], labels[mine], client_ids[mine], torch.tensor([client]),
+                              **options)
+        for name, value in by_itself.items():
+            torch.testing.assert_close(together[name][row], value[0], rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("per_client", [False, True])
+def test_the_correction_is_added_to_every_steps_gradient(per_client):
+    """SCAFFOLD's corrected step w ← w − lr (g(w) + r) equals SGD on CE + ⟨r, w⟩."""
+    features, labels, client_ids = toy_clients()
+    clients = torch.tensor([2, 0])
+    model = build_model("linear", (6,), 4, seed=0).double()
+    gen = torch.Generator().manual_seed(4)
+    shape = lambda p: (2, *p.shape) if per_client else p.shape  # noqa: E731
+    correction = {name: torch.randn(shape(p), generator=gen, dtype=p.dtype) for name, p in model.named_parameters()}
+    trained = local_sgd(model, features, labels, client_ids, clients, epochs=2, lr=0.1, batch_size=16,
+                        seed=2, correction=correction)
+    schedule = list(minibatch_schedule(client_ids, clients, epochs=2, batch_size=16, seed=2))
+    for row in range(2):
+        alone = build_model("linear", (6,), 4, seed=0).double()
+        optimizer = torch.optim.SGD(alone.parameters(), lr=0.1)
+        for index, mask in schedule:
+            mine = index[row][mask[row]]
+            if len(mine) == 0:
+                continue
+            optimizer.zero_grad()
+            loss = F.cross_entropy(alone(features[mine]), labels[mine])
+            loss = loss + sum(((correction[name][row] if per_client else correction[name]) * p).sum()
+                              for name, p in alone.named_parameters())
+            loss.backward()
+            optimizer.step()
+        for name, value in alone.named_parameters():
+            torch.testing.assert_close(trained[name][row], value.detach(), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="correction"):
+        local_sgd(model, features, labels, client_ids, clients, epochs=1, lr=0.1, batch_size=16, seed=2,
+                  correction={"weight": torch.zeros(3, 6, 4)})
+
+
+def test_local_steps_count_each_clients_minibatches():
+    _, _, client_ids = toy_clients()
+    clients = torch.tensor([0, 2, 3, 4])
+    steps = local_steps(client_ids, clients, epochs=3, batch_size=10)
+    schedule = list(minibatch_schedule(client_ids, clients, epochs=3, batch_size=10, seed=0))
+    counted = torch.stack([mask.any(1) for _, mask in schedule]).sum(0)
+    assert torch.equal(steps, counted) and steps[2] == 0  # client 3 holds no data

@@ -1,0 +1,93 @@
+"""The methods × engines conformance matrix: what every engine must reproduce.
+
+Each entry builds a method on tiny data; every engine must end with the same global model
+(analytic methods ≤ 1e-8 in float64, gradient methods with the same seeds ≤ 1e-6), the same
+`comm/bytes_up` / `comm/bytes_down`, and, for personalized methods, the same local accuracies.
+Run as a script (`python tests/conformance.py OUT_DIR`) it fits every method on two CPU
+processes (Lightning's DDP) and saves the models and metrics to OUT_DIR: Lightning's launcher
+starts the second process by running this script again.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from workbench.data import FederatedDataModule, SyntheticBlobs
+from workbench.federation import Federation
+from workbench.methods import (AFL, GHOFL, OSFED, SCAFFOLD, AnaPFL, DeepAFL, Ditto, FedAvg, FedProx, LocalOnly,
+                               SAFLe)
+
+BLOBS = SyntheticBlobs(num_classes=4, dim=8, train_size=480, test_size=120, seed=7)
+GRADIENT = dict(num_rounds=3, architecture="mlp", hidden_dim=8, lr=0.1, local_batch_size=16, seed=3)
+
+# name -> (a fresh method, tolerance of its final model)
+METHODS = {
+    "AFL": (lambda: AFL(gamma=1.0, gamma_out=0.1), 1e-8),
+    "DeepAFL": (lambda: DeepAFL(num_layers=2, hidden_dim=16, block_dim=12, seed=1), 1e-8),
+    "SAFLe": (lambda: SAFLe(levels=2, group_size=2, experts=16, thresholds="calibrated"), 1e-8),
+    "GHOFL": (lambda: GHOFL(heads=["nb_diag", "lda", "qda", "fedcgs"]), 1e-8),
+    "AnaPFL": (lambda: AnaPFL(hidden_dim=16, lambdas=[0.0, 0.5, 1.0]), 1e-8),
+    "LocalOnly": (lambda: LocalOnly(), 1e-8),
+    "FedAvg": (lambda: FedAvg(sample_fraction=0.67, compression="topk", topk_fraction=0.3, **GRADIENT), 1e-6),
+    "FedProx": (lambda: FedProx(mu=0.5, **GRADIENT), 1e-6),
+    "Ditto": (lambda: Ditto(lam=0.5, **GRADIENT), 1e-6),
+    "OSFED": (lambda: OSFED(grid_size=1, lbfgs_steps=3, **GRADIENT), 1e-6),
+    "SCAFFOLD": (lambda: SCAFFOLD(sample_fraction=0.67, **GRADIENT), 1e-6),
+}
+# the protocol's parts each method supports (secure aggregation and noise need summed uploads)
+PROTOCOLS = {
+    "dropout": Federation(dropout=0.34, seed=2),
+    "secure": Federation(secure_aggregation=True, seed=2),
+    "dp": Federation(dp_sigma=1e-3, seed=2),
+}
+
+
+def supports(name: str, protocol: str) -> bool:
+    if protocol in ("secure", "dp"):
+        return name != "OSFED"  # stacked snapshots: refused with a clear error (tested elsewhere)
+    return name != "LocalOnly"  # no round to drop out of
+
+
+def data(num_clients: int = 3) -> FederatedDataModule:
+    dm = FederatedDataModule(dataset="synthetic", synthetic=BLOBS, num_clients=num_clients, partition="dirichlet",
+                             alpha=0.5, min_partition_size=10, batch_size=64, personalized=True,
+                             local_test_fraction=0.25)
+    dm.setup()
+    return dm
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    scale = torch.linalg.norm(b)
+    return float(torch.linalg.norm(a - b) / scale) if scale > 0 else float(torch.linalg.norm(a))
+
+
+def comparable_state(method) -> dict[str, torch.Tensor]:
+    """The global model's floating-point state."""
+    return {name: value.detach().cpu() for name, value in method.state_dict().items() if value.is_floating_point()}
+
+
+def ddp_main(out_dir: str) -> None:
+    from lightning import Trainer
+
+    from workbench.engines import FederatedDDPStrategy, LightningEngine
+
+    torch.set_num_threads(1)
+    for name, (build, _) in METHODS.items():
+        method = build()
+        engine = LightningEngine(method)
+        trainer = Trainer(max_epochs=max(method.num_rounds, 1), strategy=FederatedDDPStrategy(), devices=2,
+                          accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                          enable_model_summary=False, num_sanity_val_steps=0)
+        dm = data()
+        trainer.fit(engine, datamodule=dm)
+        tested = trainer.test(engine, datamodule=dm, verbose=False)
+        if trainer.is_global_zero:
+            torch.save({"state": comparable_state(method), "metrics": dict(engine.fit_metrics),
+                        "tested": tested}, Path(out_dir) / f"{name}.pt")
+
+
+if __name__ == "__main__":
+    ddp_main(sys.argv[1])

@@ -1,0 +1,133 @@
+"""Every method on every engine: the same model, the same bytes.
+
+Engines checked here: in process (one vectorized client call per round, the reference), clients
+one by one (each client a half of its own, built from a fresh copy of the method's settings,
+as a Flower node builds it: the split of any method is exact and its clients never read the
+server's state), and two CPU processes (DDP). The Flower cells are in `test_flower_engine.py`.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conformance import METHODS, PROTOCOLS, comparable_state, data, relative_error, supports
+from workbench.engines.local import LocalClients, Replies, add_metrics
+from workbench.federation import Federation
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class OneByOneClients:
+    """A transport that runs every client alone, each with a client half of its own made by a
+    fresh copy of the method (built from its init arguments: no learned state)."""
+
+    def __init__(self, method, dm) -> None:
+        self.method, self.nodes = method, {}
+        for k in torch.unique(dm.train_client_ids).tolist():
+            fresh = type(method)(**{key: value for key, value in method.hparams_initial.items()})
+            fresh.setup(method.problem)
+            mine = dm.train_client_ids == k
+            self.nodes[k] = LocalClients(fresh, dm.train_features[mine], dm.train_labels[mine],
+                                         dm.train_client_ids[mine], torch.tensor([k]), dm.hparams.batch_size)
+
+    def update(self, round_index, broadcast, survivors, lost, secure) -> Replies:
+        total = Replies()
+        for k in sorted(survivors.tolist() + lost.tolist()):
+            reply = self.nodes[k].update(round_index, broadcast, torch.tensor([k]) if k in survivors else
+                                         torch.tensor([], dtype=torch.long),
+                                         torch.tensor([k]) if k not in survivors else torch.tensor([], dtype=torch.long),
+                                         secure)
+            if k not in survivors:
+                continue
+            if reply.uploads is not None:  # one client's uploads, combined in client order
+                from workbench.federation import codec
+                total.uploads = codec.combine(total.uploads or {}, reply.uploads, self.method.uploads)
+            total.masked = reply.masked if secure is not None else None
+            total.one_client = reply.one_client
+            add_metrics(total.metric_sums, reply.metric_sums)
+        return total
+
+    def finish(self, broadcast):
+        sums = {}
+        for node in self.nodes.values():
+            add_metrics(sums, node.finish(broadcast)[0])
+        return sums, 0.0
+
+    def predict(self, features, client_ids):
+        logits = None
+        for k, node in self.nodes.items():
+            mine = client_ids == k
+            if mine.any():
+                out = node.predict(features[mine], client_ids[mine])
+                logits = out.new_zeros(len(features), out.shape[1]) if logits is None else logits
+                logits[mine] = out
+        return logits
+
+
+def fit(name: str, federation: Federation | None = None, one_by_one: bool = False):
+    from conftest import quiet_trainer
+
+    from workbench.engines import LightningEngine
+
+    build, _ = METHODS[name]
+    method, dm = build(), data()
+    clients = None
+    if one_by_one:
+        from workbench.methods.base import Problem
+
+        method.setup(Problem((dm.feature_dim,), dm.num_classes, dm.num_clients))
+        clients = OneByOneClients(method, dm)
+    engine = LightningEngine(method, federation, clients=clients)
+    trainer = quiet_trainer(method)
+    trainer.fit(engine, datamodule=dm)
+    tested = trainer.test(engine, datamodule=dm, verbose=False)
+    return method, engine, tested
+
+
+def assert_same_run(name, reference, other) -> None:
+    (method_a, engine_a, tested_a), (method_b, engine_b, tested_b) = reference, other
+    tolerance = METHODS[name][1]
+    a, b = comparable_state(method_a), comparable_state(method_b)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert relative_error(b[key], a[key]) <= tolerance, key
+    for key in ("comm/bytes_up", "comm/bytes_down", "comm/rounds"):
+        assert engine_b.fit_metrics[key] == engine_a.fit_metrics[key], key
+    for key, value in tested_a[0].items():
+        assert tested_b[0][key] == pytest.approx(value, abs=1e-12), key
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_clients_one_by_one_give_the_vectorized_round(name):
+    assert_same_run(name, fit(name), fit(name, one_by_one=True))
+
+
+@pytest.mark.parametrize("protocol", list(PROTOCOLS))
+@pytest.mark.parametrize("name", list(METHODS))
+def test_the_protocol_applies_alike_to_clients_one_by_one(name, protocol):
+    if not supports(name, protocol):
+        pytest.skip(f"{name} does not take part in {protocol}")
+    federation = PROTOCOLS[protocol]
+    assert_same_run(name, fit(name, federation), fit(name, federation, one_by_one=True))
+
+
+def test_two_processes_give_every_methods_model(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT / "tests")}
+    done = subprocess.run([sys.executable, str(ROOT / "tests/conformance.py"), str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name in METHODS:
+        method, engine, tested = fit(name)
+        saved = torch.load(tmp_path / f"{name}.pt", weights_only=False)
+        for key, value in comparable_state(method).items():
+            assert relative_error(saved["state"][key], value) <= METHODS[name][1], (name, key)
+        for key in ("comm/bytes_up", "comm/bytes_down", "comm/rounds"):
+            assert saved["metrics"][key] == engine.fit_metrics[key], (name, key)
+        for key, value in tested[0].items():
+            assert saved["tested"][0][key] == pytest.approx(value, abs=1e-12), (name, key)
