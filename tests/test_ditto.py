@@ -3,27 +3,31 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fedavg import ROOT, SMALL, data, fit64
+from test_fedavg import ROOT, SMALL, P, data, fit64
 from torch.func import functional_call
 
 from workbench.cli import main
 from workbench.data import FederatedDataModule, SyntheticBlobs
-from workbench.methods import Ditto, FedAvg
+from workbench.engines.local import LocalClients
+from workbench.methods import Ditto, FedAvg, Problem
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def fitted(method, **data_kwargs):
+    """(engine, data) of a float64 fit on 5 skewed clients; the personal models are
+    `engine.client_half.personal` (every client has data: slot k is client k)."""
     dm = data(num_clients=5, partition="dirichlet", alpha=0.3, **data_kwargs)
-    fit64(method, dm)
-    return method, dm
+    engine = fit64(method, dm)
+    assert torch.equal(engine.client_half.served, torch.arange(5))
+    return engine, dm
 
 
 def test_the_global_model_and_the_bytes_are_fedavgs():
     """The personal steps draw their own random stream and never touch w."""
     ditto, _ = fitted(Ditto(lam=1.0, num_rounds=3, seed=2, **SMALL))
     fedavg, _ = fitted(FedAvg(num_rounds=3, seed=2, **SMALL))
-    torch.testing.assert_close(ditto.flat_parameters(), fedavg.flat_parameters(), rtol=0, atol=0)
+    torch.testing.assert_close(ditto.method.flat_parameters(), fedavg.method.flat_parameters(), rtol=0, atol=0)
     for key in ("comm/bytes_up", "comm/bytes_down", "comm/rounds"):
         assert ditto.fit_metrics[key] == fedavg.fit_metrics[key]
 
@@ -31,16 +35,27 @@ def test_the_global_model_and_the_bytes_are_fedavgs():
 def initial_weights(seed: int, num_clients: int = 5) -> torch.Tensor:
     """w₀ of the SMALL head on the 8-d, 4-class blobs: (P,) float64."""
     method = FedAvg(num_rounds=1, seed=seed, **SMALL)
-    method.setup_problem(8, 4, num_clients)
+    method.setup(Problem((8,), 4, num_clients))
     return method.flat_parameters().double()
+
+
+def test_personal_models_start_at_w0_as_client_state():
+    method = Ditto(lam=0.5, num_rounds=1, seed=6, **SMALL)
+    method.setup(Problem((8,), 4, 7))
+    half = method.client_half()
+    half.setup_clients(torch.tensor([1, 4, 6]), 30)
+    assert half.personal.shape == (3, P)
+    assert torch.equal(half.personal, initial_weights(seed=6).float().repeat(3, 1))
+    assert "personal" in half.state_dict()  # checkpoints keep them
+    assert Ditto.personalized and Ditto.global_model
 
 
 def test_personal_models_stay_nearer_the_global_model_as_lambda_grows():
     """One round: the centre of the pull is w₀, so ‖v_k − w₀‖ shrinks as λ grows."""
     distances = []
     for lam in (0.0, 1.0, 4.0, 9.0):
-        method, _ = fitted(Ditto(lam=lam, num_rounds=1, local_epochs=3, seed=1, **SMALL))
-        distances.append((method.personal - initial_weights(seed=1)).norm(dim=1))
+        engine, _ = fitted(Ditto(lam=lam, num_rounds=1, local_epochs=3, seed=1, **SMALL))
+        distances.append((engine.client_half.personal - initial_weights(seed=1)).norm(dim=1))
     for weaker, stronger in zip(distances, distances[1:]):
         assert (stronger < weaker).all()
     assert (distances[-1] < 0.5 * distances[0]).all()
@@ -50,29 +65,52 @@ def test_without_the_pull_personal_models_ignore_the_global_training():
     """λ = 0 is local-only SGD from w₀: changing the global step size changes w, not v_k."""
     slow, _ = fitted(Ditto(lam=0.0, num_rounds=2, seed=3, server_lr=0.5, **SMALL))
     fast, _ = fitted(Ditto(lam=0.0, num_rounds=2, seed=3, server_lr=1.0, **SMALL))
-    assert not torch.allclose(slow.flat_parameters(), fast.flat_parameters())
-    torch.testing.assert_close(slow.personal, fast.personal, rtol=0, atol=0)
+    assert not torch.allclose(slow.method.flat_parameters(), fast.method.flat_parameters())
+    torch.testing.assert_close(slow.client_half.personal, fast.client_half.personal, rtol=0, atol=0)
 
 
 def test_only_sampled_clients_train_their_personal_model():
     method = Ditto(lam=0.5, num_rounds=1, sample_fraction=0.4, seed=0, **SMALL)
     drawn = []
     original = method.sample_clients
-    method.sample_clients = lambda: drawn.append(original()) or drawn[-1]
-    fit64(method, data(num_clients=5))
-    assert torch.equal(drawn[0], drawn[1])  # the personal and the global step: the same clients
-    moved = (method.personal != initial_weights(seed=0)).any(dim=1)
+    method.sample_clients = lambda available: drawn.append(original(available)) or drawn[-1]
+    engine = fit64(method, data(num_clients=5))
+    assert len(drawn) == 1 and len(drawn[0]) == 2  # one draw serves the personal and the global step
+    moved = (engine.client_half.personal != initial_weights(seed=0)).any(dim=1)
     assert moved.nonzero().squeeze(1).tolist() == drawn[0].tolist()
 
 
+def test_a_cohort_call_is_each_clients_call_alone():
+    """Personal and global steps of a cohort equal each client's alone (per-client streams)."""
+    dm = data(num_clients=5, partition="dirichlet", alpha=0.3)
+    method = Ditto(lam=0.5, num_rounds=2, seed=1, **SMALL)
+    method.setup(Problem((8,), 4, 5))
+    halves = []
+    for _ in range(2):
+        clients = LocalClients(method, dm.train_features.double(), dm.train_labels, dm.train_client_ids,
+                               torch.unique(dm.train_client_ids), batch_size=64)
+        clients.half.double()
+        halves.append(clients)
+    together, alone = halves
+    for round_index in range(2):
+        broadcast = {"weights": initial_weights(seed=1) + 0.01 * round_index}
+        total, _ = together.half.client_update(round_index, broadcast, together.cohort(together.served))
+        summed = sum(alone.half.client_update(round_index, broadcast, alone.cohort(k[None]))[0]["update"]
+                     for k in alone.served)
+        torch.testing.assert_close(total["update"], summed, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(together.half.personal, alone.half.personal, rtol=1e-12, atol=1e-12)
+
+
 def test_each_client_predicts_with_its_personal_model():
-    method, dm = fitted(Ditto(lam=0.5, num_rounds=2, seed=0, **SMALL), personalized=True)
+    engine, dm = fitted(Ditto(lam=0.5, num_rounds=2, seed=0, **SMALL), personalized=True)
+    half = engine.client_half
     features, client_ids = dm.local_test_features.double(), dm.local_test_client_ids
-    logits = method.predict_clients(features, client_ids)
+    logits = half.predict(features, client_ids)
     for client in range(5):
-        params = {name: value[0] for name, value in method.unflatten(method.personal[client:client + 1]).items()}
+        params = {name: value[0] for name, value in half.flat.unflatten(half.personal[client:client + 1]).items()}
         mine = client_ids == client
-        torch.testing.assert_close(logits[mine], functional_call(method.net, params, (features[mine],)))
+        torch.testing.assert_close(logits[mine], functional_call(half.net, params, (features[mine],)))
+    assert not torch.allclose(half.personal[0], half.personal[1])
 
 
 def test_personalization_beats_the_global_model_on_skewed_clients():
@@ -84,11 +122,13 @@ def test_personalization_beats_the_global_model_on_skewed_clients():
                                                       separation=2.0, seed=0))
     dm.setup()
     method = Ditto(lam=0.1, num_rounds=5, local_epochs=2, seed=0, **SMALL)
-    fit64(method, dm)
+    engine = fit64(method, dm)
     features, labels, client_ids = dm.local_test_features.double(), dm.local_test_labels, dm.local_test_client_ids
-    personal = method.predict_clients(features, client_ids).argmax(1).eq(labels).double().mean()
+    personal = engine.client_half.predict(features, client_ids).argmax(1).eq(labels).double().mean()
     global_ = method(features).argmax(1).eq(labels).double().mean()
     assert personal > global_ + 0.05
+    tested = engine.trainer.test(engine, datamodule=dm, verbose=False)[0]  # the protocol uses v_k
+    assert tested["test/acc_local_mean"] > tested["test/acc"]
 
 
 def test_bad_settings_name_the_fix():

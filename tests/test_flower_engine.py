@@ -46,7 +46,8 @@ def assert_same_state(method, reference, tolerance: float) -> None:
     for name, value in expected.items():
         assert value.dtype == state[name].dtype, name
         scale = max(1.0, float(value.double().abs().max())) if value.numel() else 1.0
-        assert float((state[name].double() - value.double()).abs().max(initial=0.0)) <= tolerance * scale, name
+        difference = (state[name].double() - value.double()).abs()
+        assert (float(difference.max()) if difference.numel() else 0.0) <= tolerance * scale, name
 
 
 # ---- pure parts ----------------------------------------------------------------------------------

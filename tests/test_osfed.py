@@ -10,16 +10,18 @@ from test_fedavg import fake_images  # a tiny image dataset
 
 from workbench.cli import main
 from workbench.data import FederatedDataModule, SyntheticBlobs
+from workbench.engines.local import LocalClients
 from workbench.federation.local_training import local_sgd
-from workbench.methods import OSFED, ClientBatch
-from workbench.methods.osfed import multi_grid
+from workbench.methods import OSFED, Cohort, Problem
+from workbench.methods.osfed import OSFEDClient, multi_grid
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 BLOBS = SyntheticBlobs(num_classes=4, dim=8, train_size=400, test_size=200, seed=0)
 
 
-def prepared(grid_size: int = 2, num_clients: int = 4, **options) -> tuple[OSFED, ClientBatch]:
-    """An OS-FED method set up on tiny blobs, in float64, and the whole training set as a batch."""
+def prepared(grid_size: int = 2, num_clients: int = 4, **options) -> tuple[OSFEDClient, Cohort]:
+    """An OS-FED client half serving every client of tiny blobs, in float64, and the whole
+    training set as its cohort (every client has data: slot k is client k)."""
     dm = FederatedDataModule(
         dataset="synthetic",
         synthetic=BLOBS,
@@ -37,20 +39,14 @@ def prepared(grid_size: int = 2, num_clients: int = 4, **options) -> tuple[OSFED
         local_batch_size=16,
         **options,
     )
-    method.num_clients, method.input_shape = num_clients, dm.input_shape
-    method.setup_problem(dm.feature_dim, dm.num_classes, num_clients)
-    method.double()
-    batch = ClientBatch(
-        dm.train_features.double(),
-        dm.train_labels,
-        dm.train_client_ids,
-        torch.arange(len(dm.train_labels)),
-        num_clients,
-    )
-    return method, batch
+    method.setup(Problem(tuple(dm.input_shape), dm.num_classes, num_clients))
+    clients = LocalClients(method, dm.train_features.double(), dm.train_labels, dm.train_client_ids,
+                           torch.unique(dm.train_client_ids), batch_size=1 << 14)
+    assert torch.equal(clients.served, torch.arange(num_clients))
+    return clients.half.double(), clients.data
 
 
-def local_updates(method: OSFED, batch: ClientBatch, clients: torch.Tensor) -> torch.Tensor:
+def local_updates(method: OSFEDClient, batch: Cohort, clients: torch.Tensor) -> torch.Tensor:
     """Δw = w_t − w_k after 2 local epochs: (m, P)."""
     trained = local_sgd(
         method.net,
@@ -61,12 +57,12 @@ def local_updates(method: OSFED, batch: ClientBatch, clients: torch.Tensor) -> t
         epochs=2,
         lr=0.1,
         batch_size=16,
-        generator=torch.Generator().manual_seed(0),
+        seed=0,
     )
-    return method.flat_parameters() - method.flatten(trained)
+    return method.flat.vector() - method.flat.flatten(trained)
 
 
-def recovered(method: OSFED, snapshot: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def recovered(method, snapshot: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Each client's g(S) alone: (m, ...) -> (m, P)."""
     params = method.parameters_now()
     return torch.stack(
@@ -83,7 +79,7 @@ CLIENTS = torch.tensor([0, 1, 3])
 def test_the_snapshot_matches_better_than_a_random_one_and_better_with_more_steps():
     method, batch = prepared()
     targets = local_updates(method, batch, CLIENTS)
-    start = method.initial_snapshots(batch, CLIENTS)
+    start = method.initial_snapshots(0, batch.of(CLIENTS))
     random_labels = torch.randn(
         3, 4, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64
     )
@@ -101,7 +97,7 @@ def test_the_returned_loss_labels_and_gradient_agree():
     method, batch = prepared()
     targets = local_updates(method, batch, CLIENTS)
     snapshot, labels, gradient, loss = method.fit_snapshots(
-        targets, method.initial_snapshots(batch, CLIENTS), steps=5
+        targets, method.initial_snapshots(0, batch.of(CLIENTS)), steps=5
     )
     torch.testing.assert_close(
         gradient, recovered(method, snapshot, labels)
@@ -116,13 +112,13 @@ def test_more_grid_cells_never_match_worse():
     fine, _ = prepared(grid_size=2)
     targets = local_updates(coarse, batch, CLIENTS)
     one, one_labels, _, one_loss = coarse.fit_snapshots(
-        targets, coarse.initial_snapshots(batch, CLIENTS), steps=30
+        targets, coarse.initial_snapshots(0, batch.of(CLIENTS)), steps=30
     )
     repeated, repeated_labels = one.repeat(1, 4, 1), one_labels.repeat(1, 4, 1)
     torch.testing.assert_close(fine.matching_loss(repeated, repeated_labels, targets), one_loss)
     _, _, _, refined = fine.fit_snapshots(targets, repeated, repeated_labels, steps=30)
     assert (refined <= one_loss + 1e-12).all()
-    _, _, _, alone = fine.fit_snapshots(targets, fine.initial_snapshots(batch, CLIENTS), steps=30)
+    _, _, _, alone = fine.fit_snapshots(targets, fine.initial_snapshots(0, batch.of(CLIENTS)), steps=30)
     assert alone.mean() <= one_loss.mean()  # and from its own random start
 
 
@@ -149,16 +145,16 @@ def test_error_feedback_carries_exactly_target_minus_recovered():
     )
     method.feedback.residual.copy_(0.1 * carried)
     method.lbfgs_steps = 5
-    uploads = method.encode_updates(CLIENTS, updates, batch)
+    uploads, metrics = method.encode(0, batch.of(CLIENTS), updates)
     sent = recovered(
         method, uploads["snapshot_inputs"].double(), uploads["snapshot_labels"].double()
     )
     expected = updates + 0.1 * carried[CLIENTS] - sent
     torch.testing.assert_close(method.feedback.residual[CLIENTS], expected, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(method.feedback.residual[2], 0.1 * carried[2])  # not sampled: kept
-    assert method.round_metrics["osfed/residual_norm"] == pytest.approx(
-        float(expected.norm(dim=1).mean()), rel=1e-12
-    )
+    # metric sums over the clients (the engine reports their mean)
+    assert metrics["osfed/residual_norm"] == pytest.approx(float(expected.norm(dim=1).sum()), rel=1e-12)
+    assert uploads["snapshot_inputs"].shape[0] == uploads["snapshot_labels"].shape[0] == 3  # stacked
     assert (
         uploads["snapshot_inputs"].dtype == uploads["snapshot_labels"].dtype == torch.float32
     )  # as sent
@@ -168,8 +164,7 @@ def test_error_feedback_carries_exactly_target_minus_recovered():
 def test_the_servers_batched_recovery_is_the_mean_of_each_clients_gradient(architecture):
     method = OSFED(architecture=architecture, hidden_dim=8, grid_size=2, server_lr=0.5)
     shape = (8,) if architecture == "mlp" else (1, 8, 8)
-    method.num_clients, method.input_shape = 5, shape
-    method.setup_problem(int(torch.Size(shape).numel()), 3, 5)
+    method.setup(Problem(shape, 3, 5))
     method.double()
     gen = torch.Generator().manual_seed(0)
     snapshots = torch.randn(5, *method.snapshot_shape, generator=gen, dtype=torch.float64)
@@ -177,16 +172,39 @@ def test_the_servers_batched_recovery_is_the_mean_of_each_clients_gradient(archi
     mean = recovered(method, snapshots, labels).mean(0)
     torch.testing.assert_close(method.recover(snapshots, labels), mean, rtol=1e-10, atol=1e-12)
     before = method.flat_parameters()
-    method.server_step({"snapshot_inputs": snapshots, "snapshot_labels": labels}, 5)
+    method.server_update({"snapshot_inputs": snapshots, "snapshot_labels": labels}, 5)
     torch.testing.assert_close(
         method.flat_parameters(), before - 0.5 * mean, rtol=1e-10, atol=1e-12
     )
 
 
+def test_a_cohort_call_is_the_stack_of_each_clients_call_alone():
+    """Local SGD, snapshot start (per-client noise streams), fit and error feedback of a cohort are
+    each client's alone: the uploads are the client-ordered stack, the metrics the sums."""
+    together, batch = prepared(lbfgs_steps=6)
+    alone, _ = prepared(lbfgs_steps=6)
+    weights = together.flat.vector() + 0.01
+    for round_index in (1, 2):  # the second round starts from error feedback
+        broadcast = {"weights": weights * round_index}
+        uploads, metrics = together.client_update(round_index, broadcast, batch.of(CLIENTS))
+        rows = [alone.client_update(round_index, broadcast, batch.of(k[None])) for k in CLIENTS]
+        for name in ("snapshot_inputs", "snapshot_labels"):
+            torch.testing.assert_close(uploads[name], torch.cat([r[0][name] for r in rows]),
+                                       rtol=1e-6, atol=1e-7)
+        for name in ("osfed/match_loss", "osfed/residual_norm"):
+            assert metrics[name] == pytest.approx(sum(r[1][name] for r in rows), rel=1e-6)
+    torch.testing.assert_close(together.feedback.residual, alone.feedback.residual, rtol=1e-6, atol=1e-9)
+    start = together.initial_snapshots(3, batch.of(CLIENTS))
+    for k, client in enumerate(CLIENTS):
+        torch.testing.assert_close(start[k], together.initial_snapshots(3, batch.of(client[None]))[0],
+                                   rtol=0, atol=0)
+    assert not torch.equal(start, together.initial_snapshots(4, batch.of(CLIENTS)))  # redrawn each round
+
+
 def test_batched_snapshot_fits_equal_each_client_fitted_alone():
     method, batch = prepared()
     targets = local_updates(method, batch, CLIENTS)
-    start = method.initial_snapshots(batch, CLIENTS)
+    start = method.initial_snapshots(0, batch.of(CLIENTS))
     together = method.fit_snapshots(targets, start, steps=8)
     for k in range(3):
         alone = method.fit_snapshots(targets[k : k + 1], start[k : k + 1], steps=8)
@@ -213,13 +231,13 @@ def test_uploads_are_the_snapshot_bytes_and_training_learns(fit_method):
         local_batch_size=16,
         lbfgs_steps=10,
     )
-    trainer = fit_method(method, dm)
+    engine = fit_method(method, dm)
     assert (
-        method.fit_metrics["comm/bytes_up"] == 6 * 5 * 4 * (8 + 4) * 4
+        engine.fit_metrics["comm/bytes_up"] == 6 * 5 * 4 * (8 + 4) * 4
     )  # M²·(d + C) float32 per client
-    assert 0 < method.fit_metrics["osfed/match_loss"] < 1
-    assert method.fit_metrics["osfed/residual_norm"] > 0
-    assert trainer.test(method, datamodule=dm, verbose=False)[0]["test/acc"] > 0.8
+    assert 0 < engine.fit_metrics["osfed/match_loss"] < 1
+    assert engine.fit_metrics["osfed/residual_norm"] > 0
+    assert engine.trainer.test(engine, datamodule=dm, verbose=False)[0]["test/acc"] > 0.8
 
 
 def test_cnn_snapshots_on_raw_images(add_dataset, fit_method):
@@ -234,12 +252,12 @@ def test_cnn_snapshots_on_raw_images(add_dataset, fit_method):
         local_batch_size=8,
         lbfgs_steps=5,
     )
-    fit_method(method, dm)
-    assert method.snapshot_shape == (1, 4, 4)
+    engine = fit_method(method, dm)
+    assert method.snapshot_shape == engine.client_half.snapshot_shape == (1, 4, 4)
     assert (
-        method.fit_metrics["comm/bytes_up"] == 2 * 3 * (1 * 4 * 4 + 4 * 3) * 4
+        engine.fit_metrics["comm/bytes_up"] == 2 * 3 * (1 * 4 * 4 + 4 * 3) * 4
     )  # c·R² + M²·C float32
-    assert method.fit_metrics["osfed/match_loss"] < 1
+    assert engine.fit_metrics["osfed/match_loss"] < 1
 
 
 def test_bad_settings_name_the_fix():

@@ -135,7 +135,7 @@ class LightningEngine(LightningModule):
         self._check_protocol()
         if self.method.fitted:
             raise RuntimeError(
-                f"this model has already run all {self.method.num_rounds} rounds; start from a fresh "
+                f"this model is already fitted ({self.method.num_rounds} rounds); start from a fresh "
                 "model (drop `ckpt_path`) to fit again")
         data = self.trainer.datamodule
         self.available = torch.unique(data.train_client_ids).to(self.device)  # clients with data
@@ -144,9 +144,9 @@ class LightningEngine(LightningModule):
 
     def training_step(self, batch, batch_idx: int) -> None:
         self.fit_metrics = {}
-        if not self.method.fitted:
+        if self.method.rounds_left:
             self._run_round()
-        if self.method.fitted:
+        if not self.method.rounds_left:
             self._finish()
 
     def _run_round(self) -> None:
@@ -236,6 +236,7 @@ class LightningEngine(LightningModule):
             self.fit_metrics["time/local_s"] = client_s
         self._set_totals()
         self.fit_metrics["time/fit_s"] = time.perf_counter() - self._fit_start
+        method.finished.fill_(True)
 
     def _set_totals(self) -> None:
         totals, method = self._totals, self.method

@@ -169,7 +169,8 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
     Subclasses set `uploads`, implement `setup_problem`, `client_half`, `server_update`,
     `forward` and, where they differ from the defaults, `num_rounds`, `plan_round`/`broadcast`
     and `final_broadcast`. `rounds_done` counts the finished rounds (a buffer: checkpoints and
-    resumed fits keep it).
+    resumed fits keep it); `finished` is set once the final broadcast went out (`fitted`).
+    A method with `num_rounds = 0` (local-only training) only has the final step.
     """
 
     uploads: Mapping[str, Upload] = {}
@@ -181,6 +182,7 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.register_buffer("rounds_done", torch.zeros((), dtype=torch.long))
+        self.register_buffer("finished", torch.zeros((), dtype=torch.bool))  # rounds and final broadcast done
         self.problem: Problem | None = None
         self.federation = Federation()  # the protocol the engine runs; read-only here (e.g. dp_sigma)
 
@@ -249,8 +251,13 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
         return int(self.rounds_done)
 
     @property
+    def rounds_left(self) -> bool:
+        return self.round < self.num_rounds
+
+    @property
     def fitted(self) -> bool:
-        return self.round >= self.num_rounds
+        """Every round done and the final model delivered to the clients."""
+        return bool(self.finished)
 
     def setup(self, problem: Problem) -> bool:
         """Set up for `problem` unless already set up for it (a fitted model stays); True if new."""
@@ -263,7 +270,7 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
         return True
 
     def require_fitted(self) -> None:
-        if self.round == 0:
+        if not self.fitted:
             raise RuntimeError(
                 "the model is not fitted: run `fit` first, or pass `--ckpt_path` of a fitted run "
                 "to `validate`/`test`")

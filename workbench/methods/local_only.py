@@ -15,11 +15,8 @@ more. (The method once reported the mean of the client heads' logits on the glob
 an ensemble that only a party holding every head could form; with the heads on the clients that
 party does not exist, so the number is gone.)
 
-Zero bytes and zero communication rounds: `num_rounds` is 0. The engine still runs one pass
-(one Lightning epoch, `rounds_done` = 1) in which the clients receive and send nothing, and the
-clients fit their heads in `finish`, after the (empty) final broadcast; `round`, which the engine
-reports as `comm/rounds`, counts communication rounds and stays 0, and `fitted` / `require_fitted`
-read the pass instead.
+Zero bytes and zero communication rounds: `num_rounds` is 0, so a fit is only the final step,
+in which the clients fit their heads (`finish`, after the empty final broadcast).
 """
 from __future__ import annotations
 
@@ -42,9 +39,6 @@ class LocalOnlyClient(ClientHalf):
     def setup_state(self) -> None:
         self.register_buffer("heads", torch.zeros(self.num_served, self.problem.feature_dim, self.num_classes,
                                                   dtype=self.stat_dtype, device=self.served.device))
-
-    def client_update(self, round_index, broadcast, cohort: Cohort):
-        return {}, {}  # nothing is sent
 
     @torch.no_grad()
     def finish(self, broadcast, cohort: Cohort) -> dict[str, float]:
@@ -99,27 +93,10 @@ class LocalOnly(FederatedMethod):
 
     @property
     def num_rounds(self) -> int:
-        return 0  # communication rounds; the one pass of the fit sends nothing
-
-    @property
-    def round(self) -> int:
-        return 0  # communication rounds done (`comm/rounds`): never any
-
-    @property
-    def fitted(self) -> bool:
-        return int(self.rounds_done) >= 1  # the local pass is done
-
-    def require_fitted(self) -> None:
-        if not self.fitted:
-            raise RuntimeError(
-                "the model is not fitted: run `fit` first, or pass `--ckpt_path` of a fitted run "
-                "to `validate`/`test`")
+        return 0  # no communication: the clients only fit their heads, in `finish`
 
     def client_half(self) -> LocalOnlyClient:
         return LocalOnlyClient(self.problem, self)
-
-    def server_update(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, float]:
-        return {}
 
     def forward(self, features: Tensor) -> Tensor:
         raise NotImplementedError("LocalOnly has no global model: each client predicts with its own head "
