@@ -189,7 +189,7 @@ def test_afl_over_flower_equals_in_process(tmp_path):
     assert_same_state(engine.method, reference.method, 1e-8)
     for key in COMM:
         assert engine.fit_metrics[key] == reference.fit_metrics[key], key
-    assert engine.fit_metrics["comm/bytes_up"] == 3 * (12 * 13 // 2 + 12 * 4) * 8  # packed Gram + XᵀY, float64
+    assert engine.fit_metrics["comm/bytes_up"] == 3 * (12 * 13 // 2 + 12 * engine.method.num_classes) * 8  # packed Gram + XᵀY, float64
     logged = engine.trainer.callback_metrics
     assert float(logged["test/acc"]) == float(reference.trainer.callback_metrics["test/acc"])
     arrays = 3 * 2  # clients × uploads: Flower carried the packed uploads plus a header per array
