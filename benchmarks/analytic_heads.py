@@ -27,10 +27,11 @@ from pathlib import Path
 os.environ.setdefault("WANDB_MODE", "disabled")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import machine_line, write_report  # noqa: E402
+from benchmarks.common import fit_engine, machine_line, write_report  # noqa: E402
 from lightning import Callback, Trainer  # noqa: E402
 
 from workbench.data import FederatedDataModule  # noqa: E402
+from workbench.engines import LightningEngine  # noqa: E402
 from workbench.methods import AFL, DeepAFL, SAFLe  # noqa: E402
 
 # α = 0.01 over 100 clients leaves clients empty with 10 classes (no Dirichlet draw gives every
@@ -54,13 +55,19 @@ class RoundClock(Callback):
         self.ends.append(time.perf_counter() - self.start)
 
 
-def fit(method, datamodule, clock: RoundClock | None = None) -> float:
-    """Fit `method`; returns the test accuracy."""
-    trainer = Trainer(max_epochs=method.num_rounds, logger=False, enable_checkpointing=False,
+def fit(method, datamodule) -> tuple[float, dict[str, float]]:
+    """Fit `method` and test it: -> (test accuracy, the engine's fit metrics `comm/*`, `time/*`)."""
+    engine, tested = fit_engine(method, datamodule)
+    return tested["test/acc"], engine.fit_metrics
+
+
+def fit_clocked(method, datamodule, clock: RoundClock) -> None:
+    """Fit `method` with `clock` timing its rounds (`fit_engine` takes no callbacks); no test:
+    DeepAFL's accuracy at every depth comes from the fit (`depth_accuracy`)."""
+    trainer = Trainer(max_epochs=max(method.num_rounds, 1), logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                      callbacks=[clock] if clock else [])
-    trainer.fit(method, datamodule=datamodule)
-    return trainer.test(method, datamodule=datamodule, verbose=False)[0]["test/acc"]
+                      callbacks=[clock])
+    trainer.fit(LightningEngine(method), datamodule=datamodule)
 
 
 def parse_partition(text: str) -> dict:
@@ -102,15 +109,15 @@ def main() -> None:
         classes = data.num_classes
 
         afl = AFL(gamma=1.0, gamma_out=1.0)
-        accuracy = fit(afl, data)
-        rows.append((text, "AFL", accuracy, afl.round, afl.fit_metrics["comm/bytes_up_per_client"],
-                     afl.fit_metrics["time/fit_s"]))
+        accuracy, metrics = fit(afl, data)
+        rows.append((text, "AFL", accuracy, afl.round, metrics["comm/bytes_up_per_client"],
+                     metrics["time/fit_s"]))
         print(f"{text:>16}  AFL  {accuracy:.4f}", flush=True)
 
         if args.deepafl_on is None or text in args.deepafl_on:
             deepafl, clock = DeepAFL(num_layers=max(args.depths), hidden_dim=args.hidden,
                                      block_dim=args.hidden), RoundClock()
-            fit(deepafl, data, clock)
+            fit_clocked(deepafl, data, clock)
             for depth in sorted(args.depths):
                 # uploads are identical for every client, so per-client bytes are analytic
                 rows.append((text, f"DeepAFL T={depth}", deepafl.depth_accuracy[depth], 2 * depth + 1,
@@ -122,10 +129,10 @@ def main() -> None:
             bucketing, levels, experts, group = SAFLE_SETTINGS[index]
             safle = SAFLe(bucketing=bucketing, levels=levels, experts=experts, group_size=group,
                           gamma=1.0, gamma_out=1.0)
-            accuracy = fit(safle, data)
+            accuracy, metrics = fit(safle, data)
             name = f"SAFLe {bucketing} L={levels} E={experts} G={group} (E·V={safle.embedding_rows})"
-            rows.append((text, name, accuracy, safle.round, safle.fit_metrics["comm/bytes_up_per_client"],
-                         safle.fit_metrics["time/fit_s"]))
+            rows.append((text, name, accuracy, safle.round, metrics["comm/bytes_up_per_client"],
+                         metrics["time/fit_s"]))
             print(f"{text:>16}  {name}  {accuracy:.4f}", flush=True)
 
         write_report(report_lines(rows, args), args.out)  # after every partition: a long run keeps what it did

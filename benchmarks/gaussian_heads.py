@@ -33,8 +33,7 @@ import torch
 os.environ.setdefault("WANDB_MODE", "disabled")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import load_average, machine_line, write_report  # noqa: E402
-from lightning import Trainer  # noqa: E402
+from benchmarks.common import fit_engine, load_average, machine_line, write_report  # noqa: E402
 
 from workbench.data import FederatedDataModule  # noqa: E402
 from workbench.methods import AFL, GHOFL  # noqa: E402
@@ -54,13 +53,10 @@ SHARED_PARTS = {"moments": "(shared) Gaussian moments",
 
 def fit_and_test(method: FederatedMethod, datamodule: FederatedDataModule
                  ) -> tuple[dict[str, float], dict[str, float], float]:
-    """-> (the method's fit metrics, the test metrics, wall seconds of fit + test)."""
+    """-> (the engine's fit metrics, the test metrics, wall seconds of fit + test)."""
     start = time.perf_counter()
-    trainer = Trainer(max_epochs=method.num_rounds, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
-    trainer.fit(method, datamodule=datamodule)
-    tested = trainer.test(method, datamodule=datamodule, verbose=False)[0]
-    return method.fit_metrics, tested, time.perf_counter() - start
+    engine, tested = fit_engine(method, datamodule)
+    return engine.fit_metrics, tested, time.perf_counter() - start
 
 
 def progress(message: str) -> None:

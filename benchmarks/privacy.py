@@ -32,8 +32,7 @@ import torch
 os.environ.setdefault("WANDB_MODE", "disabled")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import load_average, machine_line, write_report  # noqa: E402
-from lightning import Trainer  # noqa: E402
+from benchmarks.common import fit_engine, load_average, machine_line, write_report  # noqa: E402
 
 from workbench.data import FederatedDataModule  # noqa: E402
 from workbench.federation import Federation  # noqa: E402
@@ -41,12 +40,11 @@ from workbench.federation.privacy import gaussian_epsilon, ridge_sensitivity, sa
 from workbench.methods import AFL  # noqa: E402
 
 
-def fit(datamodule: FederatedDataModule, gamma_out: float, federation: Federation) -> AFL:
-    method = AFL(gamma=1.0, gamma_out=gamma_out)
-    method.federation = federation
-    Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False, num_sanity_val_steps=0).fit(method, datamodule=datamodule)
-    return method
+def fit(datamodule: FederatedDataModule, gamma_out: float,
+        federation: Federation) -> tuple[AFL, dict[str, float]]:
+    """-> (the fitted AFL, the engine's fit metrics `comm/*`, `time/*`)."""
+    engine, _ = fit_engine(AFL(gamma=1.0, gamma_out=gamma_out), datamodule, federation, test=False)
+    return engine.method, engine.fit_metrics
 
 
 def accuracy(method: AFL, datamodule: FederatedDataModule) -> float:
@@ -86,17 +84,17 @@ def main() -> None:
     # ---- (1) differential privacy ----------------------------------------------------------
     dm = data(args.num_clients)
     n, d = dm.train_features.shape
-    raw_accuracy = accuracy(fit(dm, args.gamma_out, Federation()), dm)
+    raw_accuracy = accuracy(fit(dm, args.gamma_out, Federation())[0], dm)
     normalize_rows(dm)
     sensitivity = ridge_sensitivity(1.0)
     rows, clean = [], None
     for sigma in args.sigmas:
         gamma_out = max(args.gamma_out, safe_ridge(sigma, d))
-        draws = [accuracy(fit(dm, gamma_out, Federation(dp_sigma=sigma, seed=seed)), dm)
+        draws = [accuracy(fit(dm, gamma_out, Federation(dp_sigma=sigma, seed=seed))[0], dm)
                  for seed in range(args.seeds if sigma > 0 else 1)]
         median = statistics.median(draws)
         clean = median if sigma == 0 else clean
-        ridge_only = accuracy(fit(dm, gamma_out, Federation()), dm) if sigma > 0 else median
+        ridge_only = accuracy(fit(dm, gamma_out, Federation())[0], dm) if sigma > 0 else median
         epsilon = gaussian_epsilon(sigma, sensitivity, args.delta)
         rows.append(f"| {sigma:g} | {'∞' if math.isinf(epsilon) else f'{epsilon:.3g}'} | {gamma_out:.4g} | "
                     f"{median:.4f} | {min(draws):.4f} – {max(draws):.4f} | "
@@ -108,13 +106,13 @@ def main() -> None:
     for num_clients in args.secure_clients:
         dm_k = data(num_clients)
         timings = {False: [], True: []}
-        models = {}
+        models, metrics = {}, {}
         for _ in range(args.repeats):
             for secure in (False, True):
-                method = fit(dm_k, args.gamma_out, Federation(secure_aggregation=secure))
-                timings[secure].append((method.fit_metrics["time/fit_s"],
-                                        method.fit_metrics.get("time/secure_aggregation_s", 0.0)))
-                models[secure] = method
+                models[secure], metrics[secure] = fit(dm_k, args.gamma_out,
+                                                      Federation(secure_aggregation=secure))
+                timings[secure].append((metrics[secure]["time/fit_s"],
+                                        metrics[secure].get("time/secure_aggregation_s", 0.0)))
         plain_s = statistics.median(t for t, _ in timings[False])
         secure_s = statistics.median(t for t, _ in timings[True])
         masking_s = statistics.median(m for _, m in timings[True])
@@ -122,7 +120,7 @@ def main() -> None:
                          / torch.linalg.norm(models[False].weight))
         logits = float(torch.linalg.norm(models[True](dm_k.test_features) - models[False](dm_k.test_features))
                        / torch.linalg.norm(models[False](dm_k.test_features)))
-        per_client = models[True].fit_metrics["comm/bytes_up_per_client"]
+        per_client = metrics[True]["comm/bytes_up_per_client"]
         secure_rows.append(f"| {num_clients} | {plain_s:.2f} s | {secure_s:.2f} s | {secure_s / plain_s:.2f} | "
                            f"{masking_s:.2f} s | {per_client / 1e6:.2f} MB | {distance:.1e} | {logits:.1e} |")
         print(secure_rows[-1], flush=True)

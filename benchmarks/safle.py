@@ -4,8 +4,8 @@
     matmul `ΦᵀΦ` (Φ already built, float64), at E·V = 4096 on `--gram_samples` training
     samples; both results are checked equal.                                  goal ≥ 10
 (b) test accuracy, upload per client, rounds and fit time of AFL and several SAFLe settings,
-    all through `Trainer.fit` on K = `--clients` iid clients (the analytic solution does not
-    depend on the partition).
+    all through the Lightning engine (`fit_engine`) on K = `--clients` iid clients (the
+    analytic solution does not depend on the partition).
 
 Times are medians over `--repeats`, at `--threads` torch threads for everything.
 
@@ -27,12 +27,12 @@ import torch
 os.environ.setdefault("WANDB_MODE", "disabled")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import machine_line, write_report  # noqa: E402
-from lightning import Trainer  # noqa: E402
+from benchmarks.common import fit_engine, machine_line, write_report  # noqa: E402
 
 from workbench.data import FederatedDataModule  # noqa: E402
 from workbench.linalg import multi_hot_gram  # noqa: E402
 from workbench.methods import AFL, SAFLe  # noqa: E402
+from workbench.methods.base import Problem  # noqa: E402
 
 GRAM_SETTINGS = [dict(experts=64, group_size=6, levels=8), dict(experts=128, group_size=5, levels=8)]
 ACCURACY_SETTINGS = [
@@ -60,7 +60,7 @@ def median_time(fn, repeats: int) -> tuple[float, object]:
 def gram_speed(features: torch.Tensor, setting: dict, repeats: int) -> tuple[str, float, float]:
     """-> (setting label, sparse seconds, dense seconds)."""
     method = SAFLe(**setting)
-    method.setup_problem(features.shape[1], num_classes=1, num_clients=1)
+    method.setup(Problem(input_shape=(features.shape[1],), num_classes=1, num_clients=1))
     active = method.expert_indices(features)
     rows = method.embedding_rows
     sparse_s, sparse = median_time(lambda: multi_hot_gram(active, rows), repeats)
@@ -74,12 +74,10 @@ def gram_speed(features: torch.Tensor, setting: dict, repeats: int) -> tuple[str
 
 def fit(name: str, setting: dict, datamodule: FederatedDataModule) -> dict[str, float]:
     method = (AFL if name == "AFL" else SAFLe)(**setting)
-    trainer = Trainer(max_epochs=method.num_rounds, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
-    trainer.fit(method, datamodule=datamodule)
-    accuracy = trainer.test(method, datamodule=datamodule, verbose=False)[0]["test/acc"]
-    return {"acc": accuracy, "up_mb": method.fit_metrics["comm/bytes_up_per_client"] / 1e6,
-            "rounds": method.fit_metrics["comm/rounds"], "fit_s": method.fit_metrics["time/fit_s"],
+    engine, tested = fit_engine(method, datamodule)
+    fitted = engine.fit_metrics
+    return {"acc": tested["test/acc"], "up_mb": fitted["comm/bytes_up_per_client"] / 1e6,
+            "rounds": fitted["comm/rounds"], "fit_s": fitted["time/fit_s"],
             "rows": getattr(method, "embedding_rows", 0)}
 
 

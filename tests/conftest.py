@@ -44,12 +44,12 @@ def one_thread():
 
 
 @pytest.fixture
-def add_dataset(monkeypatch):
+def add_dataset():
     """`add_dataset(name, loader, modality="image")` registers a dataset for one test only."""
-    from workbench.data import datasets
+    from contextlib import ExitStack
 
-    def add(name: str, loader, modality: str = "image") -> None:
-        monkeypatch.setitem(datasets._REGISTRY, name, loader)
-        monkeypatch.setitem(datasets._MODALITIES, name, modality)
+    from workbench.data.registry import DATASETS
 
-    return add
+    with ExitStack() as registered:
+        yield lambda name, loader, modality="image": registered.enter_context(
+            DATASETS.temporarily(name, loader, modality))

@@ -14,10 +14,13 @@ import pytest
 import torch
 
 from workbench.backbones import (
+    BACKBONES,
     Backbone,
     BackboneWeightsError,
+    backbone_modality,
     build_backbone,
     list_backbones,
+    register_backbone,
 )
 from workbench.backbones.base import with_preprocessing
 from workbench.backbones.efficientnet_lite import packaged_weights_path
@@ -253,6 +256,21 @@ def test_unfetchable_hub_weights_raise_instead_of_random_init(
 def test_unknown_name_raises(name: str) -> None:
     with pytest.raises(ValueError, match=r"list_backbones\(\)"):
         build_backbone(name, pretrained=False)
+
+
+def test_registered_names_take_precedence_and_are_listed_by_modality() -> None:
+    def build(*, pretrained: bool, weights_path: str | None, seed: int) -> str:
+        return "built"
+
+    with BACKBONES.temporarily("resnet18", build):  # shadows the timm model of that name
+        assert BACKBONES["resnet18"] is build and backbone_modality("resnet18") == "image"
+        assert "resnet18" in list_backbones(modality="image")
+        assert "resnet18" not in list_backbones(modality="text")
+        with pytest.raises(ValueError, match="backbone 'resnet18' is already registered"):
+            register_backbone("resnet18")(build)
+    assert list_backbones("resnet*") == [] and backbone_modality("resnet18") == "image"
+    with pytest.raises(ValueError, match="modality must be 'image' or 'text', got 'audio'"):
+        register_backbone("wav2vec", modality="audio")
 
 
 def test_preprocessing_overrides_are_honored() -> None:

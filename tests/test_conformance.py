@@ -1,9 +1,14 @@
 """Every method on every engine: the same model, the same bytes.
 
-Engines checked here: in process (one vectorized client call per round, the reference), clients
-one by one (each client a half of its own, built from a fresh copy of the method's settings,
-as a Flower node builds it: the split of any method is exact and its clients never read the
-server's state), and two CPU processes (DDP). The Flower cells are in `test_flower_engine.py`.
+Engines checked here, each against in process (one vectorized client call per round):
+- clients one by one, each a half of its own built from a fresh copy of the method's settings:
+  the split of any method is exact and its clients never read the server's state;
+- Flower's messages without Ray: the Flower transport and the real ClientApp, every node with its
+  own `Context.state`, over a loopback grid that delivers each message in this process (fast);
+- a Flower simulation on Ray (marked `flower`: tens of seconds a method);
+- two CPU processes (Lightning's DDP, gloo).
+The protocol's parts (dropouts, secure aggregation, noise) are checked under each engine where a
+method supports them.
 """
 from __future__ import annotations
 
@@ -131,3 +136,70 @@ def test_two_processes_give_every_methods_model(tmp_path):
             assert saved["metrics"][key] == engine.fit_metrics[key], (name, key)
         for key, value in tested[0].items():
             assert saved["tested"][0][key] == pytest.approx(value, abs=1e-12), (name, key)
+
+
+# ---- Flower -------------------------------------------------------------------------------------
+class LoopbackGrid:
+    """A Flower grid whose SuperNodes live in this process: each message goes straight to the
+    ClientApp with that node's own Context (its `state` kept between messages, as a SuperNode keeps it)."""
+
+    def __init__(self, num_clients: int) -> None:
+        from flwr.app import Context, RecordDict
+
+        self.contexts = {100 + k: Context(run_id=1, node_id=100 + k, state=RecordDict(), run_config={},
+                                          node_config={"partition-id": k, "num-partitions": num_clients})
+                         for k in range(num_clients)}
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.contexts)
+
+    def send_and_receive(self, messages, timeout=None):
+        from workbench.engines.flower import client_app
+
+        handlers = {"query": client_app.introduce, "train": client_app.train, "train.finish": client_app.finish,
+                    "evaluate": client_app.evaluate}
+        return [handlers[message.metadata.message_type](message, self.contexts[message.metadata.dst_node_id])
+                for message in messages]
+
+
+@pytest.fixture
+def loopback(monkeypatch):
+    pytest.importorskip("flwr", reason="the Flower engine needs the `flower` extra: pip install -e '.[flower]'")
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 0)):  # a ServerApp's identity
+        monkeypatch.setattr(TaskIdentity, name, value, raising=False)
+
+
+def fit_over_loopback(name: str, federation: Federation | None = None):
+    from conftest import quiet_trainer
+
+    from workbench.engines import LightningEngine
+    from workbench.engines.flower.simulation import fit_over_grid
+
+    build, _ = METHODS[name]
+    method, dm = build(), data()
+    engine = LightningEngine(method, federation)
+    trainer = quiet_trainer(method)
+    run = fit_over_grid(LoopbackGrid(dm.num_clients), trainer, engine, dm)
+    return method, engine, run.test_results
+
+
+@pytest.mark.parametrize("protocol", [None, *PROTOCOLS])
+@pytest.mark.parametrize("name", list(METHODS))
+def test_flowers_messages_give_the_in_process_run(loopback, name, protocol):
+    if protocol is not None and not supports(name, protocol):
+        pytest.skip(f"{name} does not take part in {protocol}")
+    federation = PROTOCOLS.get(protocol)
+    assert_same_run(name, fit(name, federation), fit_over_loopback(name, federation))
+
+
+@pytest.mark.flower
+@pytest.mark.parametrize("name", list(METHODS))
+def test_a_flower_simulation_gives_the_in_process_run(name, tmp_path):
+    pytest.importorskip("ray", reason="Flower simulations need Ray: pip install -e '.[flower]'")
+    from workbench.engines.flower.simulation import fit_over_flower
+
+    build, _ = METHODS[name]
+    engine = fit_over_flower(build(), data(), None, {"default_root_dir": tmp_path})
+    assert_same_run(name, fit(name), (engine.method, engine, engine.flower_run.test_results))

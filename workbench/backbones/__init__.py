@@ -12,6 +12,7 @@ from workbench.backbones import efficientnet_lite as _efficientnet_lite  # noqa:
 from workbench.backbones import text as _text  # noqa: F401  (registers the text backbones)
 from workbench.backbones.base import Backbone, BackboneWeightsError, FrozenFeatureExtractor
 from workbench.backbones.registry import (
+    BACKBONES,
     backbone_modality,
     build_backbone,
     list_backbones,
@@ -20,6 +21,7 @@ from workbench.backbones.registry import (
 from workbench.backbones.text import TextBackbone
 
 __all__ = [
+    "BACKBONES",
     "Backbone",
     "BackboneWeightsError",
     "FrozenFeatureExtractor",

@@ -7,16 +7,13 @@ options (max_length, pooling).
 
 from __future__ import annotations
 
-import fnmatch
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from workbench.backbones.base import Backbone, with_preprocessing
 from workbench.backbones.timm_models import build_timm_backbone, is_timm_model
-
-
-Modality = Literal["image", "text"]
+from workbench.registry import Modality, Registry
 
 
 class BackboneBuilder(Protocol):
@@ -26,8 +23,7 @@ class BackboneBuilder(Protocol):
                  **options: Any) -> Any: ...
 
 
-_BUILDERS: dict[str, BackboneBuilder] = {}
-_MODALITIES: dict[str, Modality] = {}
+BACKBONES: Registry[BackboneBuilder] = Registry("backbone")
 
 
 def register_backbone(
@@ -38,17 +34,7 @@ def register_backbone(
     A `text` builder also takes `max_length` and `pooling` (None: its default) and returns a
     TextBackbone. A registered name takes precedence over a timm model of the same name.
     """
-    if modality not in ("image", "text"):
-        raise ValueError(f"modality must be 'image' or 'text', got {modality!r}")
-
-    def decorate(builder: BackboneBuilder) -> BackboneBuilder:
-        if name in _BUILDERS:
-            raise ValueError(f"backbone '{name}' is already registered")
-        _BUILDERS[name] = builder
-        _MODALITIES[name] = modality
-        return builder
-
-    return decorate
+    return BACKBONES.register(name, modality)
 
 
 def list_backbones(pattern: str = "*", modality: Modality | None = None) -> list[str]:
@@ -57,14 +43,13 @@ def list_backbones(pattern: str = "*", modality: Modality | None = None) -> list
     Any timm model name also works with `build_backbone` (see `timm.list_models()`, or
     `timm.list_pretrained()` for names with a weights tag such as "vit_base_patch16_224.mae").
     """
-    names = fnmatch.filter(_BUILDERS, pattern)
-    return sorted(n for n in names if modality is None or _MODALITIES[n] == modality)
+    return BACKBONES.names(pattern, modality)
 
 
 def backbone_modality(name: str) -> Modality:
     """`image` or `text` for a backbone name, without building it; ValueError for unknown names."""
-    if name in _MODALITIES:
-        return _MODALITIES[name]
+    if name in BACKBONES:
+        return BACKBONES.modality(name)
     _check_timm_name(name)
     return "image"
 
@@ -127,7 +112,7 @@ def build_backbone(
             f"{', '.join(k for k, v in foreign.items() if v is not None)} do not apply to it "
             f"(its options are {expected})"
         )
-    builder = _BUILDERS.get(name) or functools.partial(build_timm_backbone, name)
+    builder = BACKBONES[name] if name in BACKBONES else functools.partial(build_timm_backbone, name)
     if modality == "text":
         return builder(pretrained=pretrained, weights_path=weights_path, seed=seed, **text_options)
     backbone = builder(pretrained=pretrained, weights_path=weights_path, seed=seed)

@@ -264,7 +264,7 @@ class FederatedDataModule(LightningDataModule):
 
     def _backbone_features(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         from workbench.backbones import backbone_modality, build_backbone, list_backbones
-        from workbench.data.datasets import dataset_modality, load_dataset
+        from workbench.data.registry import dataset_modality, load_dataset
         from workbench.data.features import cached_features
 
         args = self.args
@@ -293,7 +293,7 @@ class FederatedDataModule(LightningDataModule):
 
     def _images(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Raw images as float (n, c, H, W) in [-1, 1] (a fixed, data-free scaling)."""
-        from workbench.data.datasets import dataset_modality, load_dataset
+        from workbench.data.registry import dataset_modality, load_dataset
 
         if dataset_modality(self.args.dataset) != "image":
             raise ValueError(f"data.inputs=images needs an image dataset; '{self.args.dataset}' "

@@ -1,4 +1,5 @@
-"""Registry of raw labelled datasets: images here, texts in `workbench.data.text`.
+"""Raw labelled image datasets; texts are in `workbench.data.text`, the registry both use in
+`workbench.data.registry` (re-exported here: `load_dataset`, `list_datasets`, ...).
 
 Every image dataset loads into the same layout: uint8 images of shape (N, H, W) for
 grayscale or (N, H, W, 3) for RGB, and int64 labels of shape (N,); a text dataset holds
@@ -13,13 +14,18 @@ import hashlib
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Literal
+from typing import Callable
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from workbench.data.text import TextDataset
+from workbench.data.registry import (
+    DEFAULT_DATA_DIR,
+    dataset_modality,
+    list_datasets,
+    load_dataset,
+    register_dataset,
+)
 
 __all__ = [
     "ImageSplit",
@@ -30,9 +36,9 @@ __all__ = [
     "dataset_modality",
     "register_dataset",
     "read_idx",
+    "DEFAULT_DATA_DIR",
 ]
 
-DEFAULT_DATA_DIR = "~/.cache/workbench/data"
 # Where the Debian package `dataset-fashion-mnist` installs the IDX files.
 DEBIAN_FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 
@@ -102,54 +108,6 @@ class ImageDataset:
     @property
     def num_classes(self) -> int:
         return len(self.classes)
-
-
-DatasetLoader = Callable[[Path, bool], "ImageDataset | TextDataset"]
-Modality = Literal["image", "text"]
-_REGISTRY: dict[str, DatasetLoader] = {}
-_MODALITIES: dict[str, Modality] = {}
-
-
-def register_dataset(
-    name: str, modality: Modality = "image"
-) -> Callable[[DatasetLoader], DatasetLoader]:
-    """Register `loader(data_dir: Path, download: bool) -> ImageDataset` under `name`
-    (`-> TextDataset` with modality `text`)."""
-    if modality not in ("image", "text"):
-        raise ValueError(f"modality must be 'image' or 'text', got {modality!r}")
-
-    def decorator(loader: DatasetLoader) -> DatasetLoader:
-        if name in _REGISTRY:
-            raise ValueError(f"dataset {name!r} is already registered")
-        _REGISTRY[name] = loader
-        _MODALITIES[name] = modality
-        return loader
-
-    return decorator
-
-
-def list_datasets() -> list[str]:
-    """Names accepted by `load_dataset`, sorted."""
-    return sorted(_REGISTRY)
-
-
-def dataset_modality(name: str) -> Modality:
-    """`image` or `text` for a registered dataset name, without loading it."""
-    _check_name(name)
-    return _MODALITIES[name]
-
-
-def _check_name(name: str) -> None:
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown dataset {name!r}; available: {', '.join(list_datasets())}")
-
-
-def load_dataset(
-    name: str, data_dir: str | Path = DEFAULT_DATA_DIR, download: bool = False
-) -> ImageDataset | TextDataset:
-    """Load dataset `name` from `data_dir`, downloading it first only if `download` is set."""
-    _check_name(name)
-    return _REGISTRY[name](Path(data_dir).expanduser(), download)
 
 
 # --------------------------------------------------------------------------- IDX files
@@ -428,7 +386,3 @@ def _load_svhn(data_dir: Path, download: bool) -> ImageDataset:
         to_split=lambda raw: _owned_split(raw.data.transpose(0, 2, 3, 1), raw.labels),
         classes=DIGIT_CLASSES,
     )
-
-
-# The text datasets register themselves into the same registry.
-import workbench.data.text  # noqa: E402,F401

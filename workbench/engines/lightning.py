@@ -278,7 +278,7 @@ class LightningEngine(LightningModule):
         self.log(key, metric, on_step=False, on_epoch=True, add_dataloader_idx=False)
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        if self.method.round > 0 and self.method.global_model:  # the model of the rounds done so far
+        if self.method.has_model and self.method.global_model:  # the model of the rounds done so far
             logits = self.method.logits(batch["features"], cache_key=("val", batch_idx))
             self._evaluate(logits, batch["labels"], self.val_acc, "val/acc")
 
@@ -286,7 +286,11 @@ class LightningEngine(LightningModule):
         self.method.require_fitted()
         self._local_correct = torch.zeros(self.method.num_clients, dtype=torch.long, device=self.device)
         self._local_total = torch.zeros_like(self._local_correct)
-        self._head_acc = {}
+        # one accuracy per further head (GH-OFL's), registered before anything is logged
+        heads = self.method.head_logits(torch.zeros(0, *self.method.input_shape, device=self.device))
+        self.head_acc = torch.nn.ModuleDict({head: MulticlassAccuracy(self.method.num_classes, average="micro")
+                                             for head in heads}).to(self.device)
+        self._metric_attributes = None  # Lightning finds the metrics it logs among the submodules
 
     def test_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
         method = self.method
@@ -294,9 +298,7 @@ class LightningEngine(LightningModule):
             if method.global_model:
                 self._evaluate(method(batch["features"]), batch["labels"], self.test_acc, "test/acc")
             for head, logits in method.head_logits(batch["features"]).items():
-                if head not in self._head_acc:
-                    self._head_acc[head] = MulticlassAccuracy(method.num_classes, average="micro").to(self.device)
-                self._evaluate(logits, batch["labels"], self._head_acc[head], f"test/acc/{head}")
+                self._evaluate(logits, batch["labels"], self.head_acc[head], f"test/acc/{head}")
             return
         client_ids = batch["client_ids"]  # a client's local test split (personalized protocol)
         if self._scored_remotely():

@@ -137,8 +137,8 @@ class UploadLayout:
         self.fields = []
         for name, value in uploads.items():
             packed = name in symmetric
-            side = value.shape[-1]
-            length = value[..., 0, 0].numel() * side * (side + 1) // 2 if packed else value.numel()
+            length = (value[..., 0, 0].numel() * value.shape[-1] * (value.shape[-1] + 1) // 2 if packed
+                      else value.numel())
             self.fields.append(Field(name, tuple(value.shape), value.dtype, packed, length))
         self.length = sum(f.length for f in self.fields)
 

@@ -251,6 +251,11 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
         return int(self.rounds_done)
 
     @property
+    def has_model(self) -> bool:
+        """Whether the rounds done so far give a model to score (validation during a fit)."""
+        return self.round > 0
+
+    @property
     def rounds_left(self) -> bool:
         return self.round < self.num_rounds
 

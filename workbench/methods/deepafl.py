@@ -329,7 +329,7 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         predicted = (phi @ self.classifier[depth]).argmax(dim=1)
         accuracy = float((predicted == test_labels).double().mean())
         self.depth_accuracy.append(accuracy)
-        if self.fitted:
-            self._eval_phi.pop(("test",), None)  # only needed while fitting
+        if self.round >= self.num_rounds:
+            self._eval_phi.pop(("test",), None)  # the last depth: only needed while fitting
         return depth, {"depth/test_acc": accuracy, "depth/depth": float(depth),
                        "depth/bytes_up": fit_metrics["comm/bytes_up"]}

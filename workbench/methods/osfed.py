@@ -337,6 +337,9 @@ class OSFED(SnapshotGeometry, FedAvg):
                 f"got {snapshot_resolution}"
             )
         self.save_hyperparameters()  # OS-FED's own (FedAvg's compression ones do not apply)
+        for key in ("compression", "topk_fraction", "quantize_bits"):  # FedAvg's, not this method's: a fresh build from hparams must work
+            self._hparams.pop(key, None)
+            self._hparams_initial.pop(key, None)
         self.grid_size, self.snapshot_resolution = grid_size, snapshot_resolution
         self.lbfgs_steps, self.lbfgs_history, self.match_eps = lbfgs_steps, lbfgs_history, match_eps
 

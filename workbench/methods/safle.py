@@ -168,9 +168,9 @@ class SAFLeClient(SparseEmbedding, ClientHalf):
         return {"gram": gram, "cross": cross}, {}
 
     def _moments(self, cohort: Cohort) -> dict[str, Tensor]:
-        """Σx, Σx² (d each) and the sample count of the cohort."""
+        """Σx, Σx² (d each) and the sample count of the cohort (1,)."""
         x = cohort.features[:0].to(self.stat_dtype)
-        total, squares, count = x.new_zeros(x.shape[1]), x.new_zeros(x.shape[1]), x.new_zeros(())
+        total, squares, count = x.new_zeros(x.shape[1]), x.new_zeros(x.shape[1]), x.new_zeros(1)
         for part in cohort.batches():
             x = part.features.to(self.stat_dtype)
             total += x.sum(0)
@@ -243,6 +243,10 @@ class SAFLe(SparseEmbedding, FederatedMethod):
     @property
     def num_rounds(self) -> int:
         return 2 if self.threshold_mode == "calibrated" else 1
+
+    @property
+    def has_model(self) -> bool:
+        return self.round == self.num_rounds  # the calibration round gives no model yet
 
     def setup_problem(self, problem: Problem) -> None:
         feature_dim, num_classes = problem.feature_dim, problem.num_classes

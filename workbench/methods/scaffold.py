@@ -87,6 +87,9 @@ class SCAFFOLD(FedAvg):
                          local_epochs=local_epochs, lr=lr, local_batch_size=local_batch_size,
                          sample_fraction=sample_fraction, server_lr=server_lr, seed=seed)
         self.save_hyperparameters()  # SCAFFOLD's own (FedAvg's compression ones do not apply)
+        for key in ("compression", "topk_fraction", "quantize_bits", "error_feedback"):  # FedAvg's, not this method's: a fresh build from hparams must work
+            self._hparams.pop(key, None)
+            self._hparams_initial.pop(key, None)
 
     def setup_problem(self, problem: Problem) -> None:
         super().setup_problem(problem)
