@@ -48,6 +48,8 @@ def test_personal_models_start_at_w0_as_client_state():
     assert torch.equal(half.personal, initial_weights(seed=6).float().repeat(3, 1))
     assert "personal" in half.state_dict()  # checkpoints keep them
     assert Ditto.personalized and Ditto.global_model
+    logits = half.predict(torch.randn(4, 8), torch.tensor([1, 2, 4, 5]))  # 2 and 5: another process's
+    assert (logits[[1, 3]] == 0).all() and (logits[[0, 2]] != 0).any()
 
 
 def test_personal_models_stay_nearer_the_global_model_as_lambda_grows():

@@ -303,9 +303,12 @@ class LightningEngine(LightningModule):
         client_ids = batch["client_ids"]  # a client's local test split (personalized protocol)
         if self._scored_remotely():
             return
-        logits = (self.clients.predict(batch["features"], client_ids) if method.personalized
-                  else method(batch["features"]))
-        correct = logits.argmax(dim=1).eq(batch["labels"])
+        features, labels = batch["features"], batch["labels"]
+        if self.trainer.world_size > 1:  # each process scores the clients it serves; summed at the end
+            mine = torch.isin(client_ids, self.clients.served)
+            features, labels, client_ids = features[mine], labels[mine], client_ids[mine]
+        logits = self.clients.predict(features, client_ids) if method.personalized else method(features)
+        correct = logits.argmax(dim=1).eq(labels)
         self._local_correct.index_add_(0, client_ids, correct.long())
         self._local_total.index_add_(0, client_ids, torch.ones_like(client_ids))
 
@@ -319,6 +322,9 @@ class LightningEngine(LightningModule):
             correct, total = self.clients.local_accuracy()
             self._local_correct += correct.to(self.device)
             self._local_total += total.to(self.device)
+        if self.trainer.world_size > 1:
+            self._local_correct = ddp.sum_across_processes(self._local_correct, self.trainer.strategy)
+            self._local_total = ddp.sum_across_processes(self._local_total, self.trainer.strategy)
         tested = self._local_total > 0
         if not tested.any():
             return

@@ -27,8 +27,9 @@ def stacked_names(spec: Mapping) -> frozenset[str]:
 
 
 def one_client(uploads: Mapping[str, Tensor], spec: Mapping) -> dict[str, Tensor]:
-    """One client's shapes of a round's combined uploads: a stacked upload's first row."""
-    return {name: value[0] if spec[name].stacked else value for name, value in uploads.items()}
+    """One client's upload shapes from a round's combined uploads: a stacked upload keeps its
+    first row (a leading axis of 1, as one client sends it); a summed one is one client's shape."""
+    return {name: value[:1] if spec[name].stacked else value for name, value in uploads.items()}
 
 
 def upload_bytes(uploads: Mapping[str, Tensor], spec: Mapping) -> int:

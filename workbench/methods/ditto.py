@@ -56,22 +56,19 @@ class DittoClient(FedAvgClient):
 
     @torch.no_grad()
     def predict(self, features: Tensor, client_ids: Tensor) -> Tensor:
-        """Each sample under its client's personal model v_k: (n, *input_shape), (n,) -> (n, C)."""
-        clients = torch.unique(client_ids)
-        slots = self.client_slots(clients)
-        served = self.served.to(clients.device)
-        if (slots >= len(served)).any() or not torch.equal(served[slots.clamp(max=len(served) - 1)], clients):
-            raise ValueError(f"these clients keep no personal model here: they are not served by this client "
-                             f"half ({sorted(set(clients.tolist()) - set(served.tolist()))})")
-        logits = None
-        for client, slot in zip(clients.tolist(), slots.tolist()):
+        """Each sample under its client's personal model v_k: (n, *input_shape), (n,) -> (n, C);
+        a client this half does not serve (another process's, or without training data) predicts
+        zeros, as the other personalized methods' (the processes' predictions add up)."""
+        logits = torch.zeros(len(features), self.num_classes, dtype=self.personal.dtype, device=features.device)
+        served = self.served.to(client_ids.device)
+        for client in torch.unique(client_ids).tolist():
+            slot = int(torch.searchsorted(served, torch.tensor(client, device=served.device)))
+            if slot >= len(served) or int(served[slot]) != client:
+                continue
             mine = client_ids == client
             params = {name: value[0] for name, value in
                       self.flat.unflatten(self.personal[slot:slot + 1]).items()}
-            out = functional_call(self.net, params, (features[mine].to(self.personal.dtype),))
-            if logits is None:
-                logits = out.new_empty(len(features), out.shape[1])
-            logits[mine] = out
+            logits[mine] = functional_call(self.net, params, (features[mine].to(self.personal.dtype),))
         return logits
 
 

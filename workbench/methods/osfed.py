@@ -48,7 +48,6 @@ from torch.func import functional_call, grad, grad_and_value, vmap
 
 from workbench.federation.compression import ErrorFeedback, as_sent
 from workbench.federation.local_training import client_generator, lbfgs
-from workbench.federation.messages import messages_bytes
 from workbench.methods.base import STACKED, Cohort, Problem
 from workbench.methods.fedavg import SNAPSHOTS, FedAvg, FedAvgClient, round_seed
 from workbench.methods.heads import Architecture
@@ -353,9 +352,9 @@ class OSFED(SnapshotGeometry, FedAvg):
                              snapshot_resolution=self.snapshot_resolution, lbfgs_steps=self.lbfgs_steps,
                              lbfgs_history=self.lbfgs_history, match_eps=self.match_eps)
 
-    def upload_bytes_per_client(self, upload: Mapping[str, Tensor]) -> int:
-        """One client's row of dense float32 snapshots (not FedAvg's compressor count)."""
-        return messages_bytes(upload)
+    def upload_bytes_per_client(self, upload: Mapping[str, Tensor]) -> None:
+        """None: the codec counts the dense float32 snapshots (not FedAvg's compressor count)."""
+        return None
 
     def server_update(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, float]:
         """w ← w − η_s ∇L_mean of the stacked snapshots (the survivors', in client order)."""
