@@ -387,8 +387,6 @@ def test_cli_logs_every_heads_accuracy_and_reloads_the_trained_heads(tmp_path):
         assert reloaded == pytest.approx(logged[f"test/acc/{head}"]), head
 
 
-@pytest.mark.xfail(strict=True, reason="the engine logs a method's metrics once per round (server_update) "
-                   "or at one step (depth_metrics): no hook yet for a nested Trainer's per-epoch curve")
 def test_the_trained_heads_loss_curves_are_logged_one_step_per_nested_epoch(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 

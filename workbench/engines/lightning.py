@@ -193,7 +193,7 @@ class LightningEngine(LightningModule):
                                  "comm/clients_in_round": float(len(survivors)),
                                  "comm/clients_dropped": float(len(lost))})
         self._set_totals()
-        self._log_depth()
+        self._log_steps()
 
     def _aggregate(self, replies: Replies, secure: SecureAggregator | None,
                    survivors: Tensor) -> tuple[dict[str, Tensor], Replies, float]:
@@ -252,14 +252,12 @@ class LightningEngine(LightningModule):
             self.fit_metrics["time/secure_aggregation_s"] = totals["secure_s"]
 
     @torch.no_grad()
-    def _log_depth(self) -> None:
+    def _log_steps(self) -> None:
+        """The method's metrics against its own steps (`step_metrics`)."""
         data = self.trainer.datamodule
-        if getattr(data, "test_features", None) is None:
-            return
-        found = self.method.depth_metrics(data.test_features.to(self.device), data.test_labels.to(self.device),
-                                          self.fit_metrics)
-        if found is not None:
-            step, metrics = found
+        test = getattr(data, "test_features", None)
+        test = (test.to(self.device), data.test_labels.to(self.device)) if test is not None else (None, None)
+        for step, metrics in self.method.step_metrics(*test, self.fit_metrics):
             for logger in self.loggers:
                 logger.log_metrics(metrics, step=step)
 

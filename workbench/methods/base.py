@@ -230,11 +230,12 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
         """Logits of further heads to score at test time as `test/acc/<name>` (default none)."""
         return {}
 
-    def depth_metrics(self, test_features: Tensor, test_labels: Tensor,
-                      fit_metrics: Metrics) -> tuple[int, Metrics] | None:
-        """After a round: (step, metrics) to log against a step of the method's own (DeepAFL's
-        depth, with the fit's running `comm/*` numbers in `fit_metrics`), or None."""
-        return None
+    def step_metrics(self, test_features: Tensor | None, test_labels: Tensor | None,
+                     fit_metrics: Metrics) -> list[tuple[int, Metrics]]:
+        """After a round: metrics to log against a step of the method's own, as (step, metrics)
+        pairs — DeepAFL's accuracy by depth, GH-OFL's heads' loss by training epoch. Gets the
+        global test split (None where the data has none) and the fit's running `comm/*` numbers."""
+        return []
 
     def logits(self, features: Tensor, cache_key: tuple | None = None) -> Tensor:
         """The global model's logits of evaluation data; `cache_key` names the data (e.g. a

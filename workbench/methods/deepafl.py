@@ -208,7 +208,7 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
             solves (and so of what is sent).
 
     After a fit, `depth_accuracy[t]` is the test accuracy of the model of depth t (also logged
-    as `depth/test_acc` with step t, through `depth_metrics`).
+    as `depth/test_acc` with step t, through `step_metrics`).
     """
 
     uploads = {"gram": SYMMETRIC, "cross": SUMMED, "hidden_gram": SYMMETRIC, "hidden_residual": SUMMED}
@@ -317,11 +317,12 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         return self._evaluation_features(cache_key, features, self.depth) @ self.classifier[self.depth]
 
     @torch.no_grad()
-    def depth_metrics(self, test_features: Tensor, test_labels: Tensor,
-                      fit_metrics: dict[str, float]) -> tuple[int, dict[str, float]] | None:
-        """After a W_t round: the test accuracy of depth t, advancing the test set's Φ by one layer."""
-        if self.round % 2 == 0:  # an Ω round: no new classifier
-            return None
+    def step_metrics(self, test_features: Tensor | None, test_labels: Tensor | None,
+                     fit_metrics: dict[str, float]) -> list[tuple[int, dict[str, float]]]:
+        """After a W_t round: the test accuracy of depth t (step t), advancing the test set's Φ by
+        one layer."""
+        if self.round % 2 == 0 or test_features is None:  # an Ω round: no new classifier
+            return []
         depth = self.depth
         if depth == 0:
             self.depth_accuracy = []
@@ -331,5 +332,5 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         self.depth_accuracy.append(accuracy)
         if self.round >= self.num_rounds:
             self._eval_phi.pop(("test",), None)  # the last depth: only needed while fitting
-        return depth, {"depth/test_acc": accuracy, "depth/depth": float(depth),
-                       "depth/bytes_up": fit_metrics["comm/bytes_up"]}
+        return [(depth, {"depth/test_acc": accuracy, "depth/depth": float(depth),
+                         "depth/bytes_up": fit_metrics["comm/bytes_up"]})]

@@ -323,6 +323,14 @@ class GHOFL(FederatedMethod):
                 self.head_metrics[f"{head}/final_train_loss"] = curve[-1]  # the curve: `<head>.loss_curve`
         return dict(self.head_metrics)
 
+    def step_metrics(self, test_features, test_labels, fit_metrics) -> list[tuple[int, dict[str, float]]]:
+        """After the round: each trained head's training loss by epoch (step = epoch)."""
+        curves = {head: getattr(self, head).loss_curve for head in SYNTHETIC_HEADS
+                  if head in self.heads and getattr(self, head) is not None}
+        epochs = max((len(curve) for curve in curves.values()), default=0)
+        return [(epoch, {f"{head}/train_loss": curve[epoch] for head, curve in curves.items() if epoch < len(curve)})
+                for epoch in range(epochs)]
+
     @staticmethod
     def _second_moment(uploads: dict[str, Tensor]) -> Tensor:
         if "second_moment" in uploads:
