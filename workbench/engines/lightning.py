@@ -31,11 +31,10 @@ import torch
 from lightning import LightningModule
 from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
-from torch.utils.data import DataLoader
 from torchmetrics.classification import MulticlassAccuracy
 
 from workbench.engines import ddp
-from workbench.engines.local import LocalClients, Replies, add_metrics
+from workbench.engines.local import LocalClients, Replies
 from workbench.federation import Federation, codec, messages_bytes
 from workbench.federation.privacy import add_gaussian_noise
 from workbench.federation.protocol import NOISE_STREAM
@@ -127,9 +126,6 @@ class LightningEngine(LightningModule):
     def configure_optimizers(self):
         return None
 
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader([{"round": torch.zeros((), dtype=torch.long)}], batch_size=None)
-
     # ---- rounds -----------------------------------------------------------------------------
     def on_fit_start(self) -> None:
         self._check_protocol()
@@ -143,6 +139,10 @@ class LightningEngine(LightningModule):
         self._fit_start = time.perf_counter()
 
     def training_step(self, batch, batch_idx: int) -> None:
+        """One round per epoch: the clients' data comes from the data module's training rows, not
+        from the batches (FederatedDataModule yields one item per epoch)."""
+        if batch_idx > 0:
+            return
         self.fit_metrics = {}
         if self.method.rounds_left:
             self._run_round()
