@@ -440,8 +440,8 @@ def test_methods_run_unchanged_on_email_features(spam_slice, slice_cache, fit_me
     for name, method in {"AFL": AFL(gamma=1.0, gamma_out=1.0),
                          "SAFLe": SAFLe(experts=64, group_size=4),  # 64 tables of 2^4 rows
                          "GH-LDA": GHOFL(heads=["lda"])}.items():
-        trainer = fit_method(method, data)
-        accuracy[name] = trainer.test(method, datamodule=data, verbose=False)[0]["test/acc"]
+        engine = fit_method(method, data)
+        accuracy[name] = engine.trainer.test(engine, datamodule=data, verbose=False)[0]["test/acc"]
     assert accuracy["AFL"] >= 0.85 and accuracy["GH-LDA"] >= 0.85, accuracy  # chance: 0.5
     assert accuracy["SAFLe"] >= 0.75, accuracy
 
