@@ -25,7 +25,8 @@ GRADIENT = dict(num_rounds=3, architecture="mlp", hidden_dim=8, lr=0.1, local_ba
 # name -> (a fresh method, tolerance of its final model)
 METHODS = {
     "AFL": (lambda: AFL(gamma=1.0, gamma_out=0.1), 1e-8),
-    "DeepAFL": (lambda: DeepAFL(num_layers=2, hidden_dim=16, block_dim=12, seed=1), 1e-8),
+    "DeepAFL": (lambda: DeepAFL(num_layers=2, hidden_dim=16, block_dim=12, seed=1, schedule="two_round"), 1e-8),
+    "DeepAFL-fused": (lambda: DeepAFL(num_layers=2, hidden_dim=16, block_dim=12, seed=1, schedule="fused"), 1e-8),
     "SAFLe": (lambda: SAFLe(levels=2, group_size=2, experts=16, thresholds="calibrated"), 1e-8),
     "GHOFL": (lambda: GHOFL(heads=["nb_diag", "lda", "qda", "fedcgs"]), 1e-8),
     "AnaPFL": (lambda: AnaPFL(hidden_dim=16, lambdas=[0.0, 0.5, 1.0]), 1e-8),

@@ -141,7 +141,7 @@ def test_adding_or_removing_clients_checks_its_input(fit_method):
 
 def test_deepafl_continues_with_whoever_uploads(fit_method):
     dm = data()
-    method = DeepAFL(num_layers=2, hidden_dim=16, block_dim=16)
+    method = DeepAFL(num_layers=2, hidden_dim=16, block_dim=16, schedule="two_round")
     method.federation = Federation(dropout=0.3, seed=1)
     engine = fit_method(method, dm)
     assert method.round == 5 and len(method.depth_accuracy) == 3

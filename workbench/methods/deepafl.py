@@ -13,24 +13,57 @@ FᵀF = V diag(S_F) Vᵀ and WWᵀ = U diag(S_W) Uᵀ:
 
     Ω = V Ω̂ Uᵀ,   Ω̂_ij = (Vᵀ FᵀR Wᵀ U)_ij / (γ_s + S_F,i · S_W,j).
 
-Rounds (2T + 1): round 0 solves W₀; then for each layer t one round for Ω_t (clients upload
-FᵀF packed and FᵀR, f × C) and one for W_t (clients upload ΦᵀΦ packed and ΦᵀY, h × C). Both
-statistics are sums over samples, so the server's solves equal the centralized ones for any
+WWᵀ has rank ≤ C, so the h×h eigendecomposition is not needed: with the thin SVD W = U_c diag(s) Qᵀ
+(U_c: h × r, r = min(h, C)) the columns of U outside U_c have S_W = 0 and a zero numerator, so
+
+    Ω = L U_cᵀ,   L = V [(Vᵀ FᵀR Q diag(s))_ij / (γ_s + S_F,i · s_j²)]        (f × r)
+
+an f × f eigendecomposition and an h × C SVD; Ω has rank ≤ C (`solve_omega_factors`).
+
+Two schedules (`schedule`), the same model when every client uploads every round:
+
+`two_round` (2T + 1 rounds): round 0 solves W₀; then for each layer t one round for Ω_t (clients
+upload FᵀF packed and FᵀR, f × C; broadcast W_{t−1}) and one for W_t (clients upload Φ_tᵀΦ_t
+packed and Φ_tᵀY, h × C; broadcast Ω_t). After the last round (`final_broadcast`) W_T.
+
+`fused` (T + 1 rounds, the default): round 0 as above, and the server keeps
+G₀ = ΣΦ₀ᵀΦ₀ and P₀ = ΣΦ₀ᵀY. Round t (broadcast W_{t−1} and Ω_{t−1}, t ≥ 2) each client advances
+its kept Φ_{t−2} by its kept F_{t−1}: Φ_{t−1} = Φ_{t−2} + F_{t−1}Ω_{t−1}, computes F_t once and keeps
+it, and uploads FᵀF (packed), FᵀR (f × C, as FᵀY − M_tᵀW_{t−1}) and M_t = Φ_{t−1}ᵀF_t (h × f). The
+server solves Ω_t and then, as Φ_t = Φ_{t−1} + F_tΩ_t,
+
+    ΣΦ_tᵀΦ_t = G_{t−1} + M_tΩ_t + (M_tΩ_t)ᵀ + Ω_tᵀ(ΣF_tᵀF_t)Ω_t
+    ΣΦ_tᵀY   = P_{t−1} + Ω_tᵀ(ΣF_tᵀR + M_tᵀW_{t−1})          (= P_{t−1} + Ω_tᵀ ΣF_tᵀY)
+
+keeps them as G_t, P_t, solves W_t in the same round; `final_broadcast` sends Ω_T and W_T. Every
+W_t and Ω_t is broadcast once in both schedules (the same bytes down); fused uploads M_t (h·f per
+layer) instead of the W_t round's Φ_tᵀΦ_t and Φ_tᵀY (h(h+1)/2 + h·C): at h = f that is more bytes
+up, in half the rounds. With Ω = L U_cᵀ the server's update costs O(h²C + f²C), not O(h²f).
+
+Dropouts (`federation.dropout > 0`): G_{t−1}, P_{t−1} are sums over round t−1's participants and
+M_t, FᵀF over round t's, so the recursion is exact only when they are the same clients. Under
+dropouts the fused server therefore asks every client (a 1-byte `restate` flag in each broadcast)
+to upload Φ_{t−1}ᵀΦ_{t−1} (packed) and Φ_{t−1}ᵀY beside its round-t statistics, and forms G_{t−1},
+P_{t−1} from this round's uploads. Then round t's Ω_t and W_t are exactly the centralized solves
+on round t's participants (Ω_t: the sandwiched least squares of their F_t, R_t with W_{t−1};
+W_t: the ridge of their Φ_t), still T + 1 rounds, at the two-round schedule's upload bytes plus
+M_t. (In `two_round`, Ω_t is solved on round 2t − 1's participants and W_t on round 2t's: the two
+schedules then give different, equally well-defined models.)
+
+Statistics are sums over samples, so the server's solves equal the centralized ones for any
 partition. No regularization intermediary: a client's ΦᵀΦ is sent as is and the server adds
 γI once, which is exactly the formula above (adding γI per client and removing Kγ would send
 the same information). The random layers are regenerated on every client from a shared seed,
 so only the seed (8 bytes, in the first broadcast) stands for them on the wire. (The official
 code uploads W Rᵀ F, h × f; FᵀR carries the same information in C/h of the bytes.)
 
-Broadcasts (what the clients need for the round): round 0 the seed; the Ω_t round W_{t−1}; the
-W_t round Ω_t; after the last round (`final_broadcast`) W_T. That is every W_t and Ω_t once.
-
 The client half (`DeepAFLClient`) keeps Φ_{t−1} of every sample it serves between rounds
 (n × h in `dtype`: 0.5 GB for 60k samples at h = 1024 in float64), so a round costs one layer per
-sample, not t, also for a client alone on its node; F_t is recomputed in the W_t round rather
-than kept, which would double that memory. The per-sample Φ is a cache, not saved in
-checkpoints: a client that lacks it (a resumed fit, a new process) rebuilds it from its samples
-and the Ω it received and keeps (`omega`, its only saved state).
+sample, not t, also for a client alone on its node. In `two_round`, F_t is recomputed in the W_t
+round rather than kept; in `fused` it is kept (n × f more), so each F_t is computed once. The
+per-sample caches are not saved in checkpoints: a client that lacks them (a resumed fit, a new
+process) rebuilds Φ from its samples and the Ω it received and keeps (`omega`, its only saved
+state).
 
 Each W_t minimizes the ridge risk J_t = ‖Y − Φ_t W_t‖² + γ‖W_t‖², and Ω = 0 is a feasible choice
 for Ω_t, so J_t + γ_s‖Ω_t‖² ≤ J_{t−1}: the training risk never increases with depth.
@@ -66,22 +99,47 @@ def random_layer(seed: int, layer: int, fan_in: int, fan_out: int,
     return weight, bias
 
 
+def solve_omega_factors(hidden_gram: Tensor, hidden_residual: Tensor, classifier: Tensor,
+                        gamma_s: float) -> tuple[Tensor, Tensor]:
+    """Ω = L U_cᵀ minimizing ‖R − F Ω W‖² + γ_s‖Ω‖², from FᵀF (f, f), FᵀR (f, C), W = W_{t−1} (h, C)
+    -> L (f, r), U_c (h, r) with r = min(h, C).
+
+    FᵀF = V S_F Vᵀ and the thin SVD W = U_c diag(s) Qᵀ (so WWᵀ = U_c diag(s²) U_cᵀ, rank ≤ C) turn the
+    normal equation FᵀF Ω WWᵀ + γ_s Ω = FᵀR Wᵀ into an elementwise division in the (V, U_c) basis;
+    the directions of h outside U_c have a zero right-hand side, so Ω has no part there. An f × f
+    eigendecomposition and an h × C SVD instead of a second, h × h, eigendecomposition.
+    """
+    s_f, v = torch.linalg.eigh(hidden_gram)
+    u, s_w, q_t = torch.linalg.svd(classifier, full_matrices=False)  # W = U_c diag(s) Qᵀ
+    rotated = (v.T @ hidden_residual) @ (q_t.T * s_w)  # Vᵀ FᵀR Wᵀ U_c = Vᵀ FᵀR Q diag(s), (f, r)
+    return v @ (rotated / (gamma_s + s_f[:, None] * (s_w * s_w)[None, :])), u
+
+
 def solve_omega(hidden_gram: Tensor, hidden_residual: Tensor, classifier: Tensor,
                 gamma_s: float) -> Tensor:
-    """Ω (f, h) minimizing ‖R − F Ω W‖² + γ_s‖Ω‖², from FᵀF (f, f), FᵀR (f, C), W = W_{t−1} (h, C).
+    """Ω (f, h) minimizing ‖R − F Ω W‖² + γ_s‖Ω‖² (`solve_omega_factors`, multiplied out)."""
+    left, right = solve_omega_factors(hidden_gram, hidden_residual, classifier, gamma_s)
+    return left @ right.T
 
-    Eigendecompositions FᵀF = V S_F Vᵀ and WWᵀ = U S_W Uᵀ turn the normal equation
-    FᵀF Ω WWᵀ + γ_s Ω = FᵀR Wᵀ into an elementwise division in the (V, U) basis.
-    """
+
+def solve_omega_eigh(hidden_gram: Tensor, hidden_residual: Tensor, classifier: Tensor,
+                     gamma_s: float) -> Tensor:
+    """Ω by the two eigendecompositions FᵀF = V S_F Vᵀ and WWᵀ = U S_W Uᵀ (h × h): the reference
+    the rank-C solve is checked against."""
     s_f, v = torch.linalg.eigh(hidden_gram)
     s_w, u = torch.linalg.eigh(classifier @ classifier.T)
     rotated = (v.T @ hidden_residual) @ (classifier.T @ u)  # Vᵀ FᵀR Wᵀ U, (f, h)
     return v @ (rotated / (gamma_s + s_f[:, None] * s_w[None, :])) @ u.T
 
 
-def round_plan(round_index: int) -> tuple[int, bool]:
-    """(t, whether round `round_index` solves Ω_t): round 2t − 1 solves Ω_t, round 2t solves W_t
-    (round 0: t = 0, W₀)."""
+SCHEDULES = ("fused", "two_round")
+
+
+def round_plan(round_index: int, schedule: str = "two_round") -> tuple[int, bool]:
+    """(t, whether round `round_index` solves Ω_t). `two_round`: round 2t − 1 solves Ω_t, round 2t
+    solves W_t (round 0: t = 0, W₀). `fused`: round t solves Ω_t and W_t (round 0: W₀)."""
+    if schedule == "fused":
+        return round_index, round_index > 0
     return (round_index + 1) // 2, round_index % 2 == 1
 
 
@@ -134,6 +192,7 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
         super().__init__(problem)
         self.num_layers, self.hidden_dim, self.block_dim = method.num_layers, method.hidden_dim, method.block_dim
         self.activation, self.seed, self.stat_dtype = method.activation, method.seed, method.stat_dtype
+        self.schedule = method.schedule
         # regenerated from the seed: not state, so not saved
         register_random_layers(self, self.seed, problem.feature_dim, self.hidden_dim, self.block_dim,
                                self.num_layers, self.stat_dtype, persistent=False)
@@ -147,6 +206,11 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
                                                  device=device), persistent=False)
         self.register_buffer("phi_depth", torch.full((self.num_samples,), -1, dtype=torch.long, device=device),
                              persistent=False)
+        if self.schedule == "fused":  # F_t of every served sample and its layer t (−1: none)
+            self.register_buffer("hidden", torch.empty(self.num_samples, self.block_dim, dtype=self.stat_dtype,
+                                                        device=device), persistent=False)
+            self.register_buffer("hidden_layer", torch.full((self.num_samples,), -1, dtype=torch.long,
+                                                            device=device), persistent=False)
 
     def _previous_features(self, part: Cohort, depth: int) -> Tensor:
         """Φ_depth of the rows: from the cache, or rebuilt from the received Ω when it lacks them."""
@@ -160,13 +224,67 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
         self.phi_depth[rows] = depth
         return phi
 
+    def _check_seed(self, broadcast) -> None:
+        if int(broadcast["seed"]) != self.seed:
+            raise ValueError(f"the server's DeepAFL seed {int(broadcast['seed'])} differs from this client's "
+                             f"{self.seed}: build the clients from the same DeepAFL settings as the server")
+
+    def _fused_previous(self, part: Cohort, layer: int) -> Tensor:
+        """Φ_{t−1} for round t = `layer` of the fused schedule: kept; or Φ_{t−2} + F_{t−1}Ω_{t−1} from
+        the kept Φ_{t−2} and F_{t−1} (one product, F not recomputed); or rebuilt from the samples."""
+        rows = part.sample_index.to(self.phi.device)
+        depth = layer - 1
+        if bool((self.phi_depth[rows] == depth).all()):
+            return self.phi[rows]
+        if depth >= 1 and bool(((self.phi_depth[rows] == depth - 1) & (self.hidden_layer[rows] == depth)).all()):
+            phi = torch.addmm(self.phi[rows], self.hidden[rows], self.omega[depth - 1])
+        else:
+            phi = self.features_at_depth(part.features, depth)
+        return self._keep(rows, phi, depth)
+
+    def _fused_update(self, round_index, broadcast, cohort: Cohort):
+        """Round t of the fused schedule: FᵀF, FᵀR and M = Φ_{t−1}ᵀF of F_t (kept for the next round),
+        and, when the server asks (`restate`, under dropouts), Φ_{t−1}ᵀΦ_{t−1} and Φ_{t−1}ᵀY."""
+        layer, classes = round_index, self.num_classes
+        h, f = self.hidden_dim, self.block_dim
+        classifier = broadcast["classifier"].to(self.omega)  # W_{t−1}
+        if layer >= 2:
+            self.omega[layer - 2] = broadcast["omega"].to(self.omega)  # Ω_{t−1}
+        restate = bool(broadcast["restate"]) if "restate" in broadcast else False
+        hidden_gram, mixed = self.omega.new_zeros(f, f), self.omega.new_zeros(h, f)
+        hidden_labels = self.omega.new_zeros(f, classes)
+        gram, cross = (self.omega.new_zeros(h, h), self.omega.new_zeros(h, classes)) if restate else (None, None)
+        for part in cohort.batches():
+            rows = part.sample_index.to(self.phi.device)
+            phi = self._fused_previous(part, layer)
+            hidden = self.block_features(phi, layer)  # F_t, computed once
+            self.hidden[rows] = hidden
+            self.hidden_layer[rows] = layer
+            hidden_gram += hidden.T @ hidden
+            mixed += phi.T @ hidden
+            hidden_labels += class_sums(hidden, part.labels, classes)
+            if restate:
+                gram += phi.T @ phi
+                cross += class_sums(phi, part.labels, classes)
+        # FᵀR = FᵀY − FᵀΦ_{t−1}W_{t−1} = FᵀY − MᵀW_{t−1}
+        uploads = {"hidden_gram": hidden_gram, "hidden_residual": hidden_labels - mixed.T @ classifier,
+                   "mixed": mixed}
+        if restate:
+            uploads.update(gram=gram, cross=cross)
+        return uploads, {}
+
+    def finish(self, broadcast, cohort: Cohort):
+        if self.schedule == "fused" and "omega" in broadcast and self.num_layers > 0:
+            self.omega[self.num_layers - 1] = broadcast["omega"].to(self.omega)  # Ω_T, kept as the others
+        return {}
+
     def client_update(self, round_index, broadcast, cohort: Cohort):
+        if self.schedule == "fused" and round_index > 0:
+            return self._fused_update(round_index, broadcast, cohort)
         layer, solves_omega = round_plan(round_index)
         h, f, classes = self.hidden_dim, self.block_dim, self.num_classes
         if round_index == 0:
-            if int(broadcast["seed"]) != self.seed:
-                raise ValueError(f"the server's DeepAFL seed {int(broadcast['seed'])} differs from this client's "
-                                 f"{self.seed}: build the clients from the same DeepAFL settings as the server")
+            self._check_seed(broadcast)
         elif solves_omega:
             classifier = broadcast["classifier"].to(self.omega)  # W_{t−1}
         else:
@@ -194,7 +312,8 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
 
 
 class DeepAFL(ResidualNetwork, FederatedMethod):
-    """Deep residual analytic federated learning: T gradient-free residual blocks, 2T + 1 rounds.
+    """Deep residual analytic federated learning: T gradient-free residual blocks, T + 1 rounds
+    (`fused`) or 2T + 1 (`two_round`).
 
     Args:
         num_layers: T, the residual blocks (0 = a ridge classifier on Φ₀ alone, one round).
@@ -206,16 +325,20 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         seed: the shared seed every client rebuilds the random layers from.
         dtype: dtype of the random layers, the per-sample features, the statistics and the
             solves (and so of what is sent).
+        schedule: `fused` (T + 1 rounds: Ω_t and W_t in one round, clients also upload
+            M_t = Φ_{t−1}ᵀF_t) or `two_round` (2T + 1 rounds: Ω_t, then W_t). Same model; under
+            `federation.dropout > 0` see the module docstring.
 
     After a fit, `depth_accuracy[t]` is the test accuracy of the model of depth t (also logged
     as `depth/test_acc` with step t, through `step_metrics`).
     """
 
-    uploads = {"gram": SYMMETRIC, "cross": SUMMED, "hidden_gram": SYMMETRIC, "hidden_residual": SUMMED}
+    uploads = {"gram": SYMMETRIC, "cross": SUMMED, "hidden_gram": SYMMETRIC, "hidden_residual": SUMMED,
+               "mixed": SUMMED}
 
     def __init__(self, num_layers: int = 20, hidden_dim: int = 1024, block_dim: int = 1024,
                  activation: str = "gelu", gamma: float = 1.0, gamma_s: float = 0.05, seed: int = 0,
-                 dtype: str = "float64") -> None:
+                 dtype: str = "float64", schedule: str = "fused") -> None:
         super().__init__()
         if num_layers < 0:
             raise ValueError(f"num_layers (T) must be ≥ 0, got {num_layers}")
@@ -232,6 +355,9 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
             raise ValueError(f"seed must be an integer in [0, 2⁶³), got {seed}")
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
+        self.schedule = schedule
         self.save_hyperparameters()
         self.num_layers, self.hidden_dim, self.block_dim = num_layers, hidden_dim, block_dim
         self.activation = ACTIVATIONS[activation]
@@ -243,13 +369,24 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         self._eval_phi: dict[tuple, tuple[int, Tensor, Tensor]] = {}
 
     @property
+    def fused(self) -> bool:
+        return self.schedule == "fused"
+
+    @property
     def num_rounds(self) -> int:
-        return 2 * self.num_layers + 1
+        return self.num_layers + 1 if self.fused else 2 * self.num_layers + 1
 
     @property
     def depth(self) -> int:
-        """Depth of the latest classifier: W₀ after round 1, W_t after round 2t + 1."""
-        return max(self.round - 1, 0) // 2
+        """Depth of the latest classifier: W₀ after round 1; W_t after round t + 1 (`fused`) or
+        round 2t + 1 (`two_round`)."""
+        return max(self.round - 1, 0) if self.fused else max(self.round - 1, 0) // 2
+
+    @property
+    def restates(self) -> bool:
+        """Whether fused rounds ask the clients for Φ_{t−1}ᵀΦ_{t−1} and Φ_{t−1}ᵀY again: under
+        dropouts, where the server's kept sums may be over other clients than the round's."""
+        return self.fused and self.federation.dropout > 0
 
     def setup_problem(self, problem: Problem) -> None:
         h, f, layers = self.hidden_dim, self.block_dim, self.num_layers
@@ -260,6 +397,9 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         self.register_buffer("omega", torch.zeros(layers, f, h, dtype=self.stat_dtype))  # Ω_t (T, f, h)
         self.register_buffer("classifier",  # W_t (T + 1, h, C), t = 0..T
                              torch.zeros(layers + 1, h, problem.num_classes, dtype=self.stat_dtype))
+        if self.fused:  # G_t = ΣΦ_tᵀΦ_t and P_t = ΣΦ_tᵀY of the latest depth (checkpointed: a resumed fit needs them)
+            self.register_buffer("phi_gram", torch.zeros(h, h, dtype=self.stat_dtype))
+            self.register_buffer("phi_cross", torch.zeros(h, problem.num_classes, dtype=self.stat_dtype))
 
     def client_half(self) -> DeepAFLClient:
         return DeepAFLClient(self.problem, self)
@@ -270,27 +410,64 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
 
     # ---- rounds -----------------------------------------------------------------------------
     def broadcast(self) -> dict[str, Tensor]:
-        """Round 0: the seed of the random layers (SEED_BYTES); the Ω_t round: W_{t−1}; the W_t round: Ω_t."""
-        layer, solves_omega = round_plan(self.round)
+        """Round 0: the seed of the random layers (SEED_BYTES); the Ω_t round: W_{t−1}; the W_t round: Ω_t.
+        Fused round t: W_{t−1} and Ω_{t−1} (t ≥ 2), and under dropouts the `restate` flag (1 byte)."""
+        layer, solves_omega = round_plan(self.round, self.schedule)
         if self.round == 0:
             return {"seed": torch.tensor(self.seed, dtype=torch.int64)}
+        if self.fused:
+            message = {"classifier": self.classifier[layer - 1]}
+            if layer >= 2:
+                message["omega"] = self.omega[layer - 2]
+            if self.restates:
+                message["restate"] = torch.tensor(True)
+            return message
         if solves_omega:
             return {"classifier": self.classifier[layer - 1]}
         return {"omega": self.omega[layer - 1]}
 
+    def _solve_classifier(self, layer: int, gram: Tensor, cross: Tensor) -> None:
+        gram = gram + self.gamma * identity_like(gram)
+        self.classifier[layer] = solve_spd(gram, cross, what=f"DeepAFL's Gram matrix at depth {layer}")
+
+    def _fused_server_update(self, uploads: dict[str, Tensor]) -> dict[str, float]:
+        """Round t: Ω_t from FᵀF and FᵀR, then G_t, P_t from G_{t−1}, P_{t−1} (kept, or restated by
+        this round's clients) and M_t, and W_t. Ω_t = L U_cᵀ has rank ≤ C, so
+        M_tΩ_t = (M_t L) U_cᵀ and Ω_tᵀ(FᵀF)Ω_t = U_c (Lᵀ FᵀF L) U_cᵀ cost O(h²C + f²C)."""
+        layer = self.round
+        if layer == 0 or self.restates:
+            gram, cross = uploads["gram"], uploads["cross"]
+        else:
+            gram, cross = self.phi_gram, self.phi_cross
+        if layer > 0:
+            previous = self.classifier[layer - 1]
+            hidden_gram, hidden_residual, mixed = uploads["hidden_gram"], uploads["hidden_residual"], uploads["mixed"]
+            left, right = solve_omega_factors(hidden_gram, hidden_residual, previous, self.gamma_s)
+            self.omega[layer - 1] = left @ right.T
+            coupling = (mixed @ left) @ right.T  # M_t Ω_t, (h, h)
+            inner = right @ ((left.T @ hidden_gram @ left) @ right.T)  # Ω_tᵀ FᵀF Ω_t
+            gram = gram + coupling + coupling.T + (inner + inner.T) / 2
+            cross = cross + right @ (left.T @ (hidden_residual + mixed.T @ previous))
+        self.phi_gram.copy_(gram)
+        self.phi_cross.copy_(cross)
+        self._solve_classifier(layer, gram, cross)
+        return {}
+
     def server_update(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, float]:
+        if self.fused:
+            return self._fused_server_update(uploads)
         layer, solves_omega = round_plan(self.round)
         if solves_omega:
             self.omega[layer - 1] = solve_omega(uploads["hidden_gram"], uploads["hidden_residual"],
                                                 self.classifier[layer - 1], self.gamma_s)
             return {}
-        gram = uploads["gram"] + self.gamma * identity_like(uploads["gram"])
-        self.classifier[layer] = solve_spd(gram, uploads["cross"],
-                                           what=f"DeepAFL's Gram matrix at depth {layer}")
+        self._solve_classifier(layer, uploads["gram"], uploads["cross"])
         return {}
 
     def final_broadcast(self) -> dict[str, Tensor]:
-        """W_T, the classifier of the last depth."""
+        """W_T, the classifier of the last depth (fused, T ≥ 1: with Ω_T, not sent before)."""
+        if self.fused and self.depth > 0:
+            return {"omega": self.omega[self.depth - 1], "classifier": self.classifier[self.depth]}
         return {"classifier": self.classifier[self.depth]}
 
     # ---- accuracy at every depth ------------------------------------------------------------
@@ -319,9 +496,9 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
     @torch.no_grad()
     def step_metrics(self, test_features: Tensor | None, test_labels: Tensor | None,
                      fit_metrics: dict[str, float]) -> list[tuple[int, dict[str, float]]]:
-        """After a W_t round: the test accuracy of depth t (step t), advancing the test set's Φ by
-        one layer."""
-        if self.round % 2 == 0 or test_features is None:  # an Ω round: no new classifier
+        """After a round that solved W_t (every fused round; every other two-round one): the test
+        accuracy of depth t (step t), advancing the test set's Φ by one layer."""
+        if test_features is None or (not self.fused and self.round % 2 == 0):  # an Ω round: no new classifier
             return []
         depth = self.depth
         if depth == 0:
