@@ -219,6 +219,55 @@ def test_trained_heads_depend_on_the_seed_not_on_the_partition(fit_method):
         assert accuracy(first, head, test) > accuracy(first, "lda", test) - 0.05
 
 
+def test_a_trained_head_needs_no_nested_trainer_and_is_deterministic_for_a_seed(fit_method, monkeypatch):
+    """The heads train in a plain loop: the fit builds one Trainer (the outer one), and a head
+    trained alone builds none; the same seed gives bit-identical weights and loss curves."""
+    from lightning import LightningModule, Trainer
+
+    from workbench.methods.gaussian_heads import FisherMixHead, ProtoHyperHead, train_on_synthetic
+
+    built = []
+    original = Trainer.__init__
+
+    def counted(self, *args, **kwargs):
+        built.append(self)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "__init__", counted)
+
+    def fitted(seed: int) -> GHOFL:
+        method = GHOFL(heads=["lda", "fishermix", "proto_hyper"], seed=seed, **QUICK)
+        fit_method(method, data(partition="iid", num_clients=3))
+        return method
+
+    first, again = fitted(0), fitted(0)
+    assert len(built) == 2  # one outer Trainer per fit, none nested
+    for head in ("fishermix", "proto_hyper"):
+        module = getattr(first, head)
+        assert not isinstance(module, LightningModule) and not module.training
+        assert len(module.loss_curve) == 4 and module.loss_curve == getattr(again, head).loss_curve
+        state = getattr(again, head).state_dict()
+        for name, value in module.state_dict().items():
+            assert torch.equal(value, state[name]), (head, name)
+
+    # Alone: the shuffling seed alone decides the result, and still no Trainer is built.
+    monkeypatch.setattr(Trainer, "__init__", lambda *args, **kwargs: pytest.fail("a Trainer was built"))
+    gen = torch.Generator().manual_seed(3)
+    z, labels = torch.randn(300, 3, generator=gen), torch.arange(3).repeat(100)
+    for cls, schedule in ((FisherMixHead, TrainingSchedule(epochs=3, lr=0.1, batch_size=64)),
+                          (ProtoHyperHead, ProtoHyperTraining(epochs=3, lr=0.1, batch_size=64))):
+        heads = {}
+        for name, seed in (("first", 5), ("again", 5), ("other", 6)):
+            torch.manual_seed(0)  # the same initialization
+            heads[name] = cls(3, 3, schedule)
+            train_on_synthetic(heads[name], z, labels, seed=seed, device=torch.device("cpu"))
+        first, again, other = (heads[n].state_dict() for n in ("first", "again", "other"))
+        assert all(torch.equal(first[name], again[name]) for name in first), cls.__name__
+        assert heads["first"].loss_curve == heads["again"].loss_curve
+        assert len(heads["first"].loss_curve) == 3
+        assert any(not torch.equal(first[name], other[name]) for name in first), cls.__name__
+
+
 # ---- accuracy of the Gaussian heads ---------------------------------------------------------
 def gaussian_classes(means: torch.Tensor, factors: torch.Tensor, train: int, test: int,
                      seed: int = 0) -> Drawn:

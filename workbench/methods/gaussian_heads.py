@@ -27,18 +27,13 @@ logit −∞. A class with N_c = 1 has no sample covariance: it takes the pooled
 """
 from __future__ import annotations
 
-import logging
-import math
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from lightning import LightningModule, Trainer
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from workbench.linalg import solve_spd
 
@@ -236,8 +231,8 @@ class ProtoHyperTraining(TrainingSchedule):
     teacher_lda_weight: float = 0.7
 
 
-class SyntheticHead(LightningModule):
-    """A head trained on synthetic samples by a nested Trainer; keeps its mean loss per epoch."""
+class SyntheticHead(nn.Module):
+    """A head trained on synthetic samples by `train_on_synthetic`; keeps its mean loss per epoch."""
 
     def __init__(self, schedule: TrainingSchedule) -> None:
         super().__init__()
@@ -246,23 +241,6 @@ class SyntheticHead(LightningModule):
 
     def loss(self, z: Tensor, labels: Tensor) -> Tensor:
         raise NotImplementedError
-
-    def on_train_epoch_start(self) -> None:
-        self._loss_sum, self._seen = torch.zeros((), device=self.device), 0
-
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        z, labels = batch
-        loss = self.loss(z, labels)
-        self._loss_sum += loss.detach() * len(labels)  # summed on the device: no sync per step
-        self._seen += len(labels)
-        return loss
-
-    def on_train_epoch_end(self) -> None:
-        self.loss_curve.append(float(self._loss_sum) / self._seen)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.schedule.lr,
-                                 weight_decay=self.schedule.weight_decay)
 
 
 class FisherMixHead(SyntheticHead):
@@ -330,55 +308,55 @@ class ProtoHyperHead(SyntheticHead):
                 + (1 - s.distill_weight) * F.cross_entropy(student, labels))
 
 
-class ShuffledBatches(Sampler):
-    """Index tensors of the batches of a fresh seeded permutation, each epoch.
-
-    With `batch_size=None` in the DataLoader, a whole batch is one tensor indexing, not a collate.
-    """
-
-    def __init__(self, size: int, batch_size: int, seed: int) -> None:
-        self.size, self.batch_size = size, batch_size
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def __len__(self) -> int:
-        return math.ceil(self.size / self.batch_size)
-
-    def __iter__(self) -> Iterator[Tensor]:
-        yield from torch.randperm(self.size, generator=self.generator).split(self.batch_size)
+# Multiply-adds of one step's forward (batch × parameters) per CPU thread: below it the problem is
+# too small to split. Tiny ops on several threads pay a synchronization per op that costs far more
+# than their arithmetic, ~10× more when the cores are busy with other work.
+WORK_PER_THREAD = 1 << 22
 
 
 @contextmanager
-def quiet_lightning() -> Iterator[None]:
-    """Silence a nested Trainer's banner lines and loader advice; restore the levels after."""
-    loggers = [logging.getLogger(name) for name in
-               ("lightning.pytorch", "lightning.fabric", "lightning.pytorch.utilities.rank_zero",
-                "lightning.pytorch.accelerators.cuda")]
-    levels = [logger.level for logger in loggers]
+def cpu_threads(count: int) -> Iterator[None]:
+    """Run with at most `count` intra-op CPU threads; restore the setting after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, min(count, before)))
     try:
-        for logger in loggers:
-            logger.setLevel(logging.WARNING)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*does not have many workers")
-            warnings.filterwarnings("ignore", message=".*smaller than the logging interval")
-            yield
+        yield
     finally:
-        for logger, level in zip(loggers, levels, strict=True):
-            logger.setLevel(level)
+        torch.set_num_threads(before)
 
 
 def train_on_synthetic(head: SyntheticHead, z: Tensor, labels: Tensor, *, seed: int,
                        device: torch.device) -> None:
-    """Fit `head` on (z, labels) with a quiet nested Trainer: no logger, checkpoint, progress bar.
+    """Fit `head` on (z, labels): AdamW (the schedule's lr and weight decay) over `epochs` passes
+    of seeded shuffled minibatches of `batch_size`, the mean loss of each batch; a plain loop.
 
-    The shuffling comes from `seed`; the head ends on `device`, in eval mode.
+    The shuffling comes from `seed` (one permutation per epoch, the last batch the remainder);
+    each epoch's samples are gathered once in that order and cut into views. `head.loss_curve`
+    gets the mean loss of each epoch (one device sync at the end). On the CPU it runs on one
+    thread per `WORK_PER_THREAD` multiply-adds of a step (one for the usual Fisher dimensions).
+    The head ends on `device`, in eval mode. Grad mode is switched on here, so the caller may hold
+    no_grad or inference mode.
     """
-    batches = ShuffledBatches(len(z), head.schedule.batch_size, seed)
-    loader = DataLoader(TensorDataset(z, labels), sampler=batches, batch_size=None)
-    accelerator, devices = ("cpu", 1) if device.type == "cpu" else ("gpu", [device.index or 0])
-    with quiet_lightning():
-        trainer = Trainer(max_epochs=head.schedule.epochs, accelerator=accelerator,
-                          devices=devices, logger=False, enable_checkpointing=False,
-                          enable_progress_bar=False, enable_model_summary=False,
-                          num_sanity_val_steps=0, limit_val_batches=0)
-        trainer.fit(head, train_dataloaders=loader)
-    head.to(device).eval()  # the nested Trainer's teardown leaves it on the CPU
+    s = head.schedule
+    head.to(device).train()
+    z, labels = z.to(device), labels.to(device)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=s.lr, weight_decay=s.weight_decay)
+    generator = torch.Generator().manual_seed(seed)
+    work = min(s.batch_size, len(z)) * sum(p.numel() for p in head.parameters())
+    threads = work // WORK_PER_THREAD if device.type == "cpu" else torch.get_num_threads()
+    epoch_sums = []
+    with torch.inference_mode(False), torch.enable_grad(), cpu_threads(threads):
+        for _ in range(s.epochs):
+            order = torch.randperm(len(z), generator=generator).to(device)
+            batches = zip(z[order].split(s.batch_size), labels[order].split(s.batch_size),
+                          strict=True)
+            total = torch.zeros((), device=device)
+            for z_batch, label_batch in batches:
+                loss = head.loss(z_batch, label_batch)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                total += loss.detach() * len(label_batch)  # summed on the device: no sync per step
+            epoch_sums.append(total)
+    head.loss_curve = [float(total) / len(z) for total in torch.stack(epoch_sums).cpu()]
+    head.eval()

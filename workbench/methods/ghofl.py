@@ -17,8 +17,9 @@ by linearity the statistics become `A R`, `Rᵀ B R`, `Rᵀ S_c R`, and every he
 
 The server sums the uploads (sums are partition invariant) and builds the selected heads
 (`workbench/methods/gaussian_heads.py` has the formulas): closed-form `nb_diag`, `lda`, `qda`,
-`fedcgs`; and `fishermix`, `proto_hyper`, trained by a nested Lightning Trainer on samples
-synthesized in the Fisher subspace from the same statistics, inside the same fit. Every head
+`fedcgs`; and `fishermix`, `proto_hyper`, trained by a plain AdamW loop over seeded shuffled
+minibatches (`train_on_synthetic`, no nested Trainer) on samples synthesized in the Fisher
+subspace from the same statistics, inside the same fit. Every head
 is scored at test time as `test/acc/<head>` (`head_logits`); `forward` gives `primary_head`'s
 logits.
 
