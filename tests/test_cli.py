@@ -35,6 +35,7 @@ def test_fit_logs_accuracy_bytes_and_time_and_reruns_into_the_same_folder(tmp_pa
     assert logged["comm/bytes_up"] == 10 * (32 * 33 // 2 + 32 * 10) * 8
     assert logged["time/fit_s"] > 0
     assert (runs[-1] / "config.yaml").exists() and (runs[-1] / "model.ckpt").exists()
+    assert (runs[-1] / "last.ckpt").exists()  # written after every round (`--checkpoint_every_round`)
     out = capsys.readouterr().out
     assert "test accuracy" in out and str(runs[-1]) in out
 

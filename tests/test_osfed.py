@@ -295,7 +295,9 @@ def test_cli_logs_bytes_and_the_matching_loss_every_round(tmp_path):
         [
             "test",
             "--model=OSFED",
+            "--model.num_rounds=2",
             "--model.hidden_dim=8",
+            "--model.lbfgs_steps=5",
             "--data=FederatedDataModule",
             "--data.dataset=synthetic",
             "--data.num_clients=4",

@@ -9,6 +9,13 @@ and `--engine` the engine (`lightning`: in process, or several processes with
 `workbench.engines.LightningEngine`. A fit also tests the fitted model and prints a summary. Logs
 go to `<run_dir>/<run_name>/version_N/` as CSV, and to Weights & Biases (offline when no API key
 is configured).
+
+A fit survives interruption: after every round the run folder's `last.ckpt` is replaced
+atomically (`--checkpoint_every_round`); SIGINT or SIGTERM lets the round under way finish, writes
+`last.ckpt` and exits non-zero; `fit --ckpt_path last` (the newest `last.ckpt` of the same run
+name, or a file) continues exactly, into a new version folder, with its `comm/*` totals
+continuing, and may ask for more rounds (`--model.num_rounds`). Version folders are claimed
+exclusively, so concurrent runs into one `--run_dir` never share one.
 """
 from __future__ import annotations
 
@@ -16,9 +23,13 @@ import contextlib
 import io
 import logging
 import os
+import re
+import signal
+import sys
 import warnings
 from pathlib import Path
 
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from workbench.data import FederatedDataModule
@@ -26,6 +37,84 @@ from workbench.engines import LightningEngine
 from workbench.federation import Federation
 from workbench.methods import FederatedMethod
 from workbench.runlog import log_hparams, make_loggers, print_summary
+
+
+#: test hook: `<round>` or `<round>:<SIGNAL>` sends the signal (default SIGTERM) to this process at
+#: the end of that round, an interruption at a known point taking the path of a real one
+SIGNAL_AFTER_ROUND_ENV = "WORKBENCH_SIGNAL_AFTER_ROUND"
+
+
+def save_atomically(trainer, path: Path) -> None:
+    """`trainer.save_checkpoint` to a temporary file renamed over `path`: a reader (or a crash)
+    never sees half a checkpoint. Every process calls it; rank 0 writes."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    trainer.save_checkpoint(temporary)
+    if trainer.is_global_zero:
+        os.replace(temporary, path)
+
+
+class RoundCheckpoint(Callback):
+    """Writes `<folder>/last.ckpt` (atomically) after every round (`every_round`), and turns
+    SIGINT/SIGTERM into a clean stop: the round under way finishes, its checkpoint is written and
+    the fit ends (`stopped_by` holds the signal; a second signal interrupts at once)."""
+
+    def __init__(self, folder: str | Path | None = None, every_round: bool = True) -> None:
+        self.folder, self.every_round = folder, every_round
+        self.stopped_by: int | None = None
+        self.path: Path | None = None
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.stopped_by is not None:  # a second signal: stop now (Lightning's KeyboardInterrupt path)
+            self._restore()
+            raise KeyboardInterrupt
+        self.stopped_by = signum
+        print(f"\n{signal.Signals(signum).name}: stopping after the round under way; its checkpoint "
+              "is written for `fit --ckpt_path last` (signal again to stop at once)", file=sys.stderr)
+
+    def _restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:  # after Lightning's own handlers are set
+        self.stopped_by = None
+        self.path = Path(self.folder or trainer.log_dir or trainer.default_root_dir) / "last.ckpt"
+        with contextlib.suppress(ValueError):  # signals can only be handled in the main thread
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        rounds_done = pl_module.method.round
+        hook = os.environ.get(SIGNAL_AFTER_ROUND_ENV)
+        if hook and int(hook.split(":")[0]) == rounds_done and not pl_module.method.fitted:
+            name = hook.split(":")[1] if ":" in hook else "SIGTERM"
+            os.kill(os.getpid(), getattr(signal, name if name.startswith("SIG") else "SIG" + name))
+        if self.every_round or self.stopped_by is not None:
+            save_atomically(trainer, self.path)
+        if self.stopped_by is not None:
+            trainer.should_stop = True
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self._restore()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._restore()
+
+
+def newest_last_checkpoint(run_folder: Path, exclude: Path | None = None) -> Path:
+    """The `last.ckpt` of the newest version folder under `run_folder` that holds one."""
+    def number(path: Path) -> int:
+        match = re.fullmatch(r"version_(\d+)", path.parent.name)
+        return int(match.group(1)) if match else -1
+
+    found = [p for p in run_folder.glob("version_*/last.ckpt")
+             if exclude is None or p.parent.resolve() != exclude.resolve()]
+    if not found:
+        raise FileNotFoundError(f"no last.ckpt under {run_folder}/version_*: pass --ckpt_path=<file>, or "
+                                "the --run_dir/--run_name of the interrupted fit")
+    return max(found, key=number)
 
 
 class WorkbenchCLI(LightningCLI):
@@ -54,6 +143,9 @@ class WorkbenchCLI(LightningCLI):
         parser.add_argument("--engine", default="lightning", choices=["lightning", "flower"],
                             help="who runs a fit's rounds: lightning (in this process) or flower (a Flower "
                                  "ServerApp and ClientApps, simulated locally on Ray; pip install -e '.[flower]')")
+        parser.add_argument("--checkpoint_every_round", type=bool, default=True,
+                            help="replace the run folder's last.ckpt after every round (a fit stopped by "
+                                 "SIGINT/SIGTERM writes it anyway); resume with `fit --ckpt_path last`")
         parser.add_argument("--federation", type=Federation, default=Federation(),
                             help="protocol settings: dropout, secure_aggregation, fixed_point_bits, dp_sigma, seed")
 
@@ -72,7 +164,12 @@ class WorkbenchCLI(LightningCLI):
                                    wandb_project=self._get(self.config, "wandb_project"))
             kwargs["logger"] = loggers
             kwargs.setdefault("default_root_dir", loggers[0].log_dir)
-        return super().instantiate_trainer(**kwargs)
+        trainer = super().instantiate_trainer(**kwargs)
+        if self.subcommand == "fit" and self._get(self.config, "engine") != "flower":
+            self.round_checkpoint = RoundCheckpoint(
+                every_round=self._get(self.config, "checkpoint_every_round", default=True))
+            trainer.callbacks.append(self.round_checkpoint)
+        return trainer
 
     def before_fit(self) -> None:
         log_hparams(self.trainer, self.model, self.datamodule)
@@ -89,6 +186,12 @@ class WorkbenchCLI(LightningCLI):
     def fit(self, model, datamodule=None, **kwargs) -> None:
         """The rounds run in this process (Lightning's loop) or over Flower (`--engine flower`)."""
         if self._get(self.config, "engine") != "flower":
+            if kwargs.get("ckpt_path") == "last":  # the newest of this run name's interrupted fits
+                here = Path(self.trainer.log_dir)
+                kwargs["ckpt_path"] = str(newest_last_checkpoint(here.parent, exclude=here))
+            if kwargs.get("ckpt_path") is not None:
+                kwargs.setdefault("weights_only", False)  # our own files (they hold the data's settings)
+                print(f"resuming from {kwargs['ckpt_path']}", file=sys.stderr)
             self.trainer.fit(model, datamodule=datamodule, **kwargs)
             return
         from workbench.engines.flower import simulation  # an optional extra: its import says how to install it
@@ -102,10 +205,18 @@ class WorkbenchCLI(LightningCLI):
     def after_fit(self) -> None:
         if self.trainer.interrupted:
             return
+        stopper = getattr(self, "round_checkpoint", None)
+        if stopper is not None and stopper.stopped_by is not None:  # a clean stop at a round's end
+            name = signal.Signals(stopper.stopped_by).name
+            if self.trainer.is_global_zero:
+                print(f"{name}: stopped after round {self.method.round} of {self.method.num_rounds}; checkpoint "
+                      f"{stopper.path}; resume with the same command and --ckpt_path last (or that path)",
+                      file=sys.stderr)
+            raise SystemExit(128 + stopper.stopped_by)
         # Analytic fits take no optimizer steps, so Lightning's step-based checkpointing never
         # fires: the fitted model is saved here, for `test --ckpt_path`.
         checkpoint = Path(self.trainer.log_dir) / "model.ckpt"
-        self.trainer.save_checkpoint(checkpoint)
+        save_atomically(self.trainer, checkpoint)
         if self._get(self.config, "engine") != "flower":  # over Flower the test ran with the clients
             self.trainer.test(self.model, datamodule=self.datamodule, verbose=False)
         # Every process takes part (reading trainer.log_dir is a collective); only rank 0 prints.

@@ -27,11 +27,33 @@ def default_run_name(method, datamodule) -> str:
     return re.sub(r"[^A-Za-z0-9_.=,-]+", "_", name.lower())
 
 
+VERSION_ENV = "WORKBENCH_RUN_VERSION"  # the version rank 0 claimed, for the other processes of a fit
+
+
+def claim_version(root: Path) -> int:
+    """Creates the next `root/version_N` exclusively and returns N: concurrent runs into one
+    folder each get a folder of their own (the other processes of one fit share rank 0's)."""
+    rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) or 0)
+    if rank > 0 and os.environ.get(VERSION_ENV):
+        return int(os.environ[VERSION_ENV])
+    root.mkdir(parents=True, exist_ok=True)
+    while True:
+        taken = [int(m.group(1)) for p in root.iterdir() if (m := re.fullmatch(r"version_(\d+)", p.name))]
+        version = max(taken, default=-1) + 1
+        try:
+            os.mkdir(root / f"version_{version}")
+        except FileExistsError:  # another run took it first: look again
+            continue
+        os.environ[VERSION_ENV] = str(version)  # inherited by the processes a DDP fit starts
+        return version
+
+
 def make_loggers(method, datamodule, *, run_dir: str, run_name: str | None, wandb_mode: str,
                  wandb_project: str) -> list[Logger]:
-    """CSV first (its folder is the run's folder), then W&B unless disabled."""
+    """CSV first (its folder, claimed here, is the run's folder), then W&B unless disabled."""
     name = run_name or default_run_name(method, datamodule)
-    loggers: list[Logger] = [CSVLogger(save_dir=run_dir, name=name)]
+    version = claim_version(Path(run_dir) / name)
+    loggers: list[Logger] = [CSVLogger(save_dir=run_dir, name=name, version=version)]
     mode = _wandb_mode(wandb_mode)
     if mode != "disabled":
         from lightning.pytorch.loggers import WandbLogger

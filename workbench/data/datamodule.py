@@ -260,7 +260,34 @@ class FederatedDataModule(LightningDataModule):
         self.train_features, self.train_labels, self.train_client_ids = (
             x_train[order], y_train[order], client_ids[order])
         self.test_features, self.test_labels = x_test, y_test
+        self._check_finite()
         self._ready = True
+
+    def _check_finite(self) -> None:
+        """NaN/inf in any split's inputs is an error naming the split, the rows and their clients."""
+        splits = [("training", self.train_features, self.train_client_ids),
+                  ("test", self.test_features, None)]
+        if self.args.val_fraction > 0:
+            splits.append(("validation", self.val_features, None))
+        if self.args.personalized:
+            splits.append(("local test", self.local_test_features, self.local_test_client_ids))
+        for split, features, client_ids in splits:
+            if not features.is_floating_point() or len(features) == 0:
+                continue
+            bad_rows = ~torch.isfinite(features.reshape(len(features), -1)).all(dim=1)
+            count = int(bad_rows.sum())
+            if count == 0:
+                continue
+            where = ""
+            if client_ids is not None:
+                clients = torch.unique(client_ids[bad_rows]).tolist()
+                where = f" of client{'s' if len(clients) > 1 else ''} {clients if len(clients) <= 10 else [*clients[:10], '...']}"
+            source = "the generated data" if self.args.dataset == "synthetic" else (
+                "the raw images" if self.args.inputs == "images" else f"the cached features in {self.args.cache_dir}")
+            raise ValueError(
+                f"data '{self.args.dataset}': {count} {split} row{'s' if count > 1 else ''}{where} "
+                f"hold{'s' if count == 1 else ''} NaN/inf features, so no model is fitted on them: repair or drop "
+                f"those rows (they come from {source}; a damaged feature cache is rebuilt once deleted)")
 
     def _backbone_features(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         from workbench.backbones import backbone_modality, build_backbone, list_backbones

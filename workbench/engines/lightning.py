@@ -21,11 +21,16 @@ disjoint set of whole clients; the partial sums (or stacks, or masked ring sums)
 across processes before the server update, which every process runs on the same total.
 
 Checkpoints hold the global model (`method.*`), the round counter and the clients' own state
-(`client_half.*`), so a fit resumed from one continues exactly.
+(`client_half.*`), and under `workbench` the method's class and settings, the problem's shape and
+the fit's running totals (bytes, seconds), so a fit resumed from one continues exactly (its
+`comm/*` and `time/*` numbers too). A checkpoint of another method, settings or data shape is
+refused before anything is loaded; a resumed fit may ask for more rounds (`num_rounds`). Each
+round's aggregated uploads are checked for NaN/inf before the server solves or steps on them.
 """
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 from lightning import LightningModule
@@ -131,12 +136,16 @@ class LightningEngine(LightningModule):
         self._check_protocol()
         if self.method.fitted:
             raise RuntimeError(
-                f"this model is already fitted ({self.method.num_rounds} rounds); start from a fresh "
-                "model (drop `ckpt_path`) to fit again")
+                f"this model is already fitted ({self.method.round} rounds and the final broadcast); start "
+                "from a fresh model (drop `ckpt_path`, or resume from a `last.ckpt` of an unfinished fit)")
         data = self.trainer.datamodule
         self.available = torch.unique(data.train_client_ids).to(self.device)  # clients with data
         self._totals = {"bytes_up": 0, "bytes_down": 0, "client_s": 0.0, "server_s": 0.0, "secure_s": 0.0}
-        self._fit_start = time.perf_counter()
+        restored = getattr(self, "_restored_totals", None) or {}
+        self._totals.update(restored)  # a resumed fit: its numbers continue from the checkpoint's
+        self._fit_start = time.perf_counter() - float(restored.get("fit_s", 0.0))
+        self._totals.pop("fit_s", None)
+        self._restored_totals = None
 
     def training_step(self, batch, batch_idx: int) -> None:
         """One round per epoch: the clients' data comes from the data module's training rows, not
@@ -172,6 +181,7 @@ class LightningEngine(LightningModule):
                          else method.upload_bytes_per_client(replies.one_client))
         if per_client_up is None:
             per_client_up = codec.upload_bytes(replies.one_client, method.uploads)
+        check_finite_uploads(uploads, round_index, type(method).__name__, survivors)
         server_metrics = method.server_update(uploads, len(survivors))
         method.rounds_done += 1
         if self.trainer.world_size > 1:  # every process holds rank 0's model
@@ -335,9 +345,88 @@ class LightningEngine(LightningModule):
         save_per_client_table(self.local_accuracy, self.trainer)
 
     # ---- checkpoints ------------------------------------------------------------------------
+    def checkpoint_identity(self) -> dict[str, Any]:
+        """What a checkpoint must match to be loaded into this engine: the method's class and
+        settings, the problem's shape and the protocol (plain values)."""
+        method, problem = self.method, self.method.problem
+        return {
+            "method": f"{type(method).__module__}.{type(method).__qualname__}",
+            "settings": {key: _plain(value) for key, value in method.hparams_initial.items()
+                         if not key.startswith("_")},
+            "problem": None if problem is None else {"input_shape": list(problem.input_shape),
+                                                     "num_classes": problem.num_classes,
+                                                     "num_clients": problem.num_clients},
+            "federation": {key: _plain(value) for key, value in vars(self.federation).items()},
+        }
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        saved = self.checkpoint_identity()
+        totals = getattr(self, "_totals", None)
+        if totals is not None and self.trainer.state.fn == "fit":
+            saved["totals"] = {**totals, "fit_s": time.perf_counter() - self._fit_start}
+        checkpoint["workbench"] = saved
+
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """A method whose buffers' shapes are found by the fit reshapes them before the restore."""
+        """Refuses a checkpoint of another method, settings or data shape; restores the fit's
+        running totals; a method whose buffers' shapes are found by the fit reshapes them."""
+        saved = checkpoint.get("workbench")
+        if saved is not None:  # checkpoints written before these checks were saved hold none
+            resuming = self.trainer.state.fn == "fit"
+            check_checkpoint_matches(saved, self.checkpoint_identity(), resuming=resuming)
+            self._restored_totals = dict(saved.get("totals") or {}) if resuming else None
         prefix = "method."
         state = {name[len(prefix):]: value for name, value in checkpoint["state_dict"].items()
                  if name.startswith(prefix)}
         self.method.before_restore(state)
+
+
+def _plain(value: Any) -> Any:
+    """A setting as plain data (numbers, strings, lists, dicts) for a checkpoint and comparisons."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if hasattr(value, "__dataclass_fields__"):
+        return {name: _plain(getattr(value, name)) for name in value.__dataclass_fields__}
+    return repr(value)
+
+
+def check_checkpoint_matches(saved: dict, configured: dict, *, resuming: bool) -> None:
+    """One error naming what differs between a checkpoint and the configured run. A resumed fit
+    may run more rounds than the checkpointed one (`num_rounds`); the protocol only matters there."""
+    if saved.get("method") != configured["method"]:
+        raise ValueError(f"the checkpoint holds a {saved.get('method')} model but the config asks for "
+                         f"{configured['method']}: pass that run's config (its config.yaml) or a checkpoint "
+                         "of this method")
+    diffs = []
+    ignore = {"num_rounds"} if resuming else set()
+    mine, theirs = configured["settings"], saved.get("settings", {})
+    for key in sorted((set(mine) | set(theirs)) - ignore):
+        if mine.get(key, "<unset>") != theirs.get(key, "<unset>"):
+            diffs.append(f"model.{key}: checkpoint {theirs.get(key, '<unset>')!r}, config {mine.get(key, '<unset>')!r}")
+    if saved.get("problem") is not None and configured["problem"] is not None:
+        for key, value in configured["problem"].items():
+            if saved["problem"].get(key) != value:
+                diffs.append(f"data {key}: checkpoint {saved['problem'].get(key)!r}, config {value!r}")
+    if resuming and saved.get("federation") is not None:
+        for key, value in configured["federation"].items():
+            if saved["federation"].get(key, value) != value:
+                diffs.append(f"federation.{key}: checkpoint {saved['federation'][key]!r}, config {value!r}")
+    if diffs:
+        raise ValueError("the checkpoint does not match the config (" + "; ".join(diffs) + "): pass the "
+                         "config it was made with (its run folder's config.yaml), or fit afresh")
+
+
+def check_finite_uploads(uploads: dict[str, Tensor], round_index: int, method: str, clients: Tensor) -> None:
+    """An aggregated upload holding NaN/inf is an error before the server solves or steps on it."""
+    for name, value in uploads.items():
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            bad = int((~torch.isfinite(value)).sum())
+            shown = clients.tolist()
+            shown = shown if len(shown) <= 10 else [*shown[:10], "..."]
+            raise FloatingPointError(
+                f"round {round_index}: {method}'s aggregated upload '{name}' holds {bad} non-finite "
+                f"value{'s' if bad != 1 else ''} (NaN/inf) from clients {shown}; no model was fitted on it: "
+                "check those clients' data, or lower the step size / raise the regularization")

@@ -1,0 +1,119 @@
+"""Bad input is an error naming where it appeared, never a model fitted on it: NaN/inf features
+(which split, how many rows, which clients), non-finite aggregated uploads (which upload, which
+round), and a checkpoint of another method, settings or data shape."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from workbench.cli import main
+from workbench.data.datamodule import SyntheticBlobs
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ["--data=FederatedDataModule", "--data.dataset=synthetic", "--data.num_clients=4",
+        "--data.partition=iid", "--data.synthetic.train_size=240", "--data.synthetic.test_size=60",
+        "--data.synthetic.dim=8", "--data.synthetic.num_classes=3",
+        "--trainer.enable_progress_bar=false", "--wandb=disabled"]
+METHODS = {
+    "AFL": ["--model=AFL"],
+    "DeepAFL": ["--model=DeepAFL", "--model.num_layers=1", "--model.hidden_dim=16", "--model.block_dim=16"],
+    "FedAvg": ["--model=FedAvg", "--model.num_rounds=2", "--model.architecture=linear"],
+}
+
+
+def poisoned(split: str, rows: list[int], value: float = float("nan")):
+    """SyntheticBlobs.generate with `value` in one feature of `rows` of the train or test split."""
+    original = SyntheticBlobs.generate
+
+    def generate(self):
+        x_train, y_train, x_test, y_test = original(self)
+        x = x_train if split == "train" else x_test
+        x[rows, 3] = value
+        return x_train, y_train, x_test, y_test
+
+    return generate
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_a_nan_training_feature_is_an_error_naming_split_rows_and_client(method, monkeypatch, tmp_path):
+    monkeypatch.setattr(SyntheticBlobs, "generate", poisoned("train", [5]))
+    with pytest.raises(ValueError, match=r"1 training row of client \[\d\] holds NaN/inf features") as error:
+        main(["fit", *METHODS[method], *DATA, f"--run_dir={tmp_path}"])
+    assert "repair or drop" in str(error.value)
+    assert not list(tmp_path.glob("*/version_*/model.ckpt")) and not list(tmp_path.glob("*/version_*/last.ckpt"))
+
+
+def test_non_finite_test_features_and_several_clients_are_named(monkeypatch, tmp_path):
+    monkeypatch.setattr(SyntheticBlobs, "generate", poisoned("test", [0, 7], float("inf")))
+    with pytest.raises(ValueError, match="2 test rows hold NaN/inf"):
+        main(["fit", *METHODS["AFL"], *DATA, f"--run_dir={tmp_path}"])
+    monkeypatch.setattr(SyntheticBlobs, "generate", poisoned("train", list(range(240))))
+    with pytest.raises(ValueError, match=r"240 training rows of clients \[0, 1, 2, 3\]"):
+        main(["fit", *METHODS["AFL"], *DATA, f"--run_dir={tmp_path}"])
+
+
+def test_the_command_exits_non_zero_on_a_nan_feature(tmp_path):
+    script = ("import sys; from tests.test_bad_input import poisoned; from workbench.data.datamodule import "
+              "SyntheticBlobs; SyntheticBlobs.generate = poisoned('train', [5]); from workbench.__main__ import main; "
+              "sys.argv[0] = 'workbench'; sys.exit(main())")
+    done = subprocess.run([sys.executable, "-c", script, "fit", *METHODS["AFL"], *DATA, f"--run_dir={tmp_path}"],
+                          cwd=ROOT, env={**os.environ, "WANDB_MODE": "disabled"}, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode != 0
+    assert "training row of client" in done.stderr and "NaN/inf" in done.stderr
+    assert not list(tmp_path.glob("*/version_*/model.ckpt"))
+
+
+@pytest.mark.parametrize("method", ["AFL", "FedAvg"])
+def test_a_non_finite_upload_stops_the_round_before_the_server_update(method, monkeypatch, tmp_path):
+    from workbench.engines.local import LocalClients
+
+    original = LocalClients.update
+
+    def update(self, *args, **kwargs):
+        replies = original(self, *args, **kwargs)
+        name = sorted(replies.uploads)[0]
+        replies.uploads[name] = replies.uploads[name].clone().fill_(float("nan"))
+        self.poisoned = name
+        return replies
+
+    monkeypatch.setattr(LocalClients, "update", update)
+    with pytest.raises(FloatingPointError, match=r"round 0: .*aggregated upload '\w+' holds \d+ non-finite"):
+        main(["fit", *METHODS[method], *DATA, f"--run_dir={tmp_path}"])
+    assert not list(tmp_path.glob("*/version_*/model.ckpt"))
+
+
+def test_a_checkpoint_of_another_method_or_settings_is_refused(tmp_path):
+    main(["fit", "--model=SAFLe", *DATA, f"--run_dir={tmp_path / 'safle'}"])
+    safle = next((tmp_path / "safle").glob("*/version_0/model.ckpt"))
+    with pytest.raises(ValueError, match="holds a workbench.methods.safle.SAFLe model but the config asks for "
+                                         "workbench.methods.afl.AFL: pass that run's config"):
+        main(["test", *METHODS["AFL"], *DATA, f"--run_dir={tmp_path / 'eval'}", f"--ckpt_path={safle}"])
+    main(["fit", *METHODS["AFL"], *DATA, f"--run_dir={tmp_path / 'afl'}"])
+    afl = next((tmp_path / "afl").glob("*/version_0/model.ckpt"))
+    with pytest.raises(ValueError, match=r"model.gamma: checkpoint 1.0, config 2.0\): pass the config"):
+        main(["test", *METHODS["AFL"], "--model.gamma=2.0", *DATA, f"--run_dir={tmp_path / 'eval'}",
+              f"--ckpt_path={afl}"])
+    with pytest.raises(ValueError, match="data input_shape: checkpoint \\[8\\], config \\[6\\]"):
+        main(["test", *METHODS["AFL"], *DATA, "--data.synthetic.dim=6", f"--run_dir={tmp_path / 'eval'}",
+              f"--ckpt_path={afl}"])
+    tested = main(["test", *METHODS["AFL"], *DATA, f"--run_dir={tmp_path / 'eval'}", f"--ckpt_path={afl}"])
+    assert float(tested.trainer.callback_metrics["test/acc"]) > 0.5
+
+
+def test_a_resumed_fit_under_another_protocol_is_refused(tmp_path):
+    from workbench.experiment import SIGNAL_AFTER_ROUND_ENV
+
+    env = {**os.environ, "WANDB_MODE": "disabled", SIGNAL_AFTER_ROUND_ENV: "1"}
+    args = [sys.executable, "-m", "workbench", "fit", *METHODS["FedAvg"], *DATA, f"--run_dir={tmp_path}",
+            "--run_name=run"]
+    stopped = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert stopped.returncode == 143, stopped.stdout + stopped.stderr
+    with pytest.raises(ValueError, match="federation.dropout: checkpoint 0.0, config 0.5"):
+        main(["fit", *METHODS["FedAvg"], *DATA, f"--run_dir={tmp_path}", "--run_name=run",
+              "--federation.dropout=0.5", "--ckpt_path=last"])
