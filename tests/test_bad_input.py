@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from workbench.cli import main
 from workbench.data.datamodule import SyntheticBlobs
