@@ -66,7 +66,6 @@ from workbench.data.datamodule import stratified_holdout
 from workbench.linalg import grouped_matmul, grouped_ridge
 from workbench.methods.afl import AFL, AFLClient
 from workbench.methods.base import SUMMED, SYMMETRIC, Cohort, Problem
-from workbench.methods.local_only import served_slots
 
 DEFAULT_LAMBDAS = tuple(i / 10 for i in range(11))  # 0, 0.1, ..., 1.0
 HOLDOUT_STREAM = 2  # the seed stream of the clients' hold-outs (0: P_g, 1: P_l)
@@ -203,7 +202,7 @@ class AnaPFLClient(AFLClient):
     def predict(self, features: Tensor, client_ids: Tensor) -> Tensor:
         """Client k's model, Hg W_g + λ · Hl W_l,k: (n, d), (n,) -> (n, C) (a client this half does
         not serve predicts with the global branch)."""
-        slots, known = served_slots(self, client_ids)
+        slots, known = self.served_slots(client_ids)
         local = grouped_matmul(self.local_features(features), self.local_weight, slots) * known[:, None]
         return self.main_features(features) @ self.global_weight + self.refinement_scale * local
 

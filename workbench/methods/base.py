@@ -147,6 +147,15 @@ class ClientHalf(nn.Module):
         """Slots (positions among the served clients) of `clients` (m,) -> (m,)."""
         return torch.searchsorted(self.served.to(clients.device), clients)
 
+    def served_slots(self, client_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Slots of `client_ids` (n,) that may name clients this half does not serve (another
+        process's, or one without training data), and whether each is served: (n,), (n,) bool;
+        an unserved id gets slot 0 and False."""
+        if self.num_served == 0:
+            return torch.zeros_like(client_ids), torch.zeros_like(client_ids, dtype=torch.bool)
+        slots = self.client_slots(client_ids).clamp(max=self.num_served - 1)
+        return slots, self.served.to(client_ids.device)[slots] == client_ids
+
     def client_update(self, round_index: int, broadcast: Mapping[str, Tensor],
                       cohort: Cohort) -> tuple[Uploads, Metrics]:
         """The cohort's uploads (summed / stacked over its clients, as `uploads` says) and metric

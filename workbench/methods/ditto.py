@@ -60,12 +60,9 @@ class DittoClient(FedAvgClient):
         a client this half does not serve (another process's, or without training data) predicts
         zeros, as the other personalized methods' (the processes' predictions add up)."""
         logits = torch.zeros(len(features), self.num_classes, dtype=self.personal.dtype, device=features.device)
-        served = self.served.to(client_ids.device)
-        for client in torch.unique(client_ids).tolist():
-            slot = int(torch.searchsorted(served, torch.tensor(client, device=served.device)))
-            if slot >= len(served) or int(served[slot]) != client:
-                continue
-            mine = client_ids == client
+        slots, known = self.served_slots(client_ids)
+        for slot in torch.unique(slots[known]).tolist():
+            mine = known & (slots == slot)
             params = {name: value[0] for name, value in
                       self.flat.unflatten(self.personal[slot:slot + 1]).items()}
             logits[mine] = functional_call(self.net, params, (features[mine].to(self.personal.dtype),))

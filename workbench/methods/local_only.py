@@ -54,17 +54,8 @@ class LocalOnlyClient(ClientHalf):
         """Each sample under its own client's head, x W_k: (n, d), (n,) -> (n, C); a client this
         half does not serve (no training data) predicts zeros."""
         x = features.flatten(1).to(self.stat_dtype)
-        slots, known = served_slots(self, client_ids)
+        slots, known = self.served_slots(client_ids)
         return grouped_matmul(x, self.heads, slots) * known[:, None]
-
-
-def served_slots(half: ClientHalf, client_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """Slots of `client_ids` (n,) among the half's served clients, and whether each is served
-    (an unserved id gets slot 0 and False)."""
-    if half.num_served == 0:
-        return torch.zeros_like(client_ids), torch.zeros_like(client_ids, dtype=torch.bool)
-    slots = half.client_slots(client_ids).clamp(max=half.num_served - 1)
-    return slots, half.served.to(client_ids.device)[slots] == client_ids
 
 
 class LocalOnly(FederatedMethod):
