@@ -88,12 +88,6 @@ def sum_across_processes(tensor: Tensor, strategy) -> Tensor:
     return strategy.reduce(tensor, reduce_op="sum")
 
 
-def ring_sum_across_processes(elements: Tensor, strategy) -> Tensor:
-    """Σ mod 2^62 over processes of ring elements (gathered, then summed in the ring: no int64 overflow)."""
-    gathered = strategy.all_gather(elements.to(strategy.root_device))
-    return ring_sum(gathered.cpu())
-
-
 def broadcast_module_state(module: nn.Module) -> None:
     """Overwrite every parameter and buffer with rank 0's (no-op without a process group)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
@@ -108,7 +102,7 @@ def combine_replies(replies, spec, strategy, masked: bool):
     client order (processes hold increasing client ids), masked ring sums summed in the ring."""
     import torch.distributed as dist
 
-    from workbench.engines.local import Replies
+    from workbench.engines.local import Replies, add_metrics
 
     world = strategy.world_size
     gathered: list = [None] * world
@@ -121,8 +115,7 @@ def combine_replies(replies, spec, strategy, masked: bool):
     one_client = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in layout.items()}
     combined = Replies(one_client=one_client, client_s=sum(seconds for _, _, seconds in gathered))
     for _, metrics, _ in gathered:
-        for name, value in metrics.items():
-            combined.metric_sums[name] = combined.metric_sums.get(name, 0.0) + value
+        add_metrics(combined.metric_sums, metrics)
     if masked:
         elements = replies.masked if replies.masked is not None else torch.zeros(0, dtype=torch.int64)
         parts: list = [None] * world
@@ -148,10 +141,11 @@ def sum_metrics(metric_sums: dict[str, float], seconds: float, strategy) -> dict
     """Metric sums and seconds (as `__client_s`) summed over processes."""
     import torch.distributed as dist
 
+    from workbench.engines.local import add_metrics
+
     gathered: list = [None] * strategy.world_size
     dist.all_gather_object(gathered, {**metric_sums, "__client_s": seconds})
     total: dict[str, float] = {}
     for part in gathered:
-        for name, value in part.items():
-            total[name] = total.get(name, 0.0) + value
+        add_metrics(total, part)
     return total

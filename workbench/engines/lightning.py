@@ -43,7 +43,7 @@ from workbench.engines.local import LocalClients, Replies
 from workbench.federation import Federation, codec, messages_bytes
 from workbench.federation.privacy import add_gaussian_noise
 from workbench.federation.protocol import NOISE_STREAM
-from workbench.federation.secure_aggregation import SecureAggregator, UploadLayout, ring_sum
+from workbench.federation.secure_aggregation import SecureAggregator, UploadLayout
 from workbench.methods.base import FederatedMethod, Problem
 from workbench.runlog import save_per_client_table
 
@@ -220,7 +220,7 @@ class LightningEngine(LightningModule):
                 secure.layout = UploadLayout(replies.one_client, secure.symmetric)
             total = replies.masked if replies.masked is not None else torch.zeros(secure.layout.length,
                                                                                    dtype=torch.int64)
-            uploads = secure.unmask(ring_sum([total]), uploaded=survivors.tolist())
+            uploads = secure.unmask(total, uploaded=survivors.tolist())
             uploads = {name: value.to(self.device) for name, value in uploads.items()}
             secure_s = time.perf_counter() - start
         else:

@@ -36,6 +36,16 @@ class Replies:
     metric_sums: dict[str, float] = field(default_factory=dict)
     client_s: float = 0.0
 
+    def keep_uploads(self, uploads: Mapping[str, Tensor], spec: Mapping) -> None:
+        """The combined plain uploads, and one client's shapes of them (`one_client`)."""
+        self.uploads = dict(uploads)
+        self.one_client = zeros_like(codec.one_client(self.uploads, spec))
+
+
+def zeros_like(upload: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """An upload's layout (names, shapes, dtypes) as zeros."""
+    return {name: torch.zeros_like(value) for name, value in upload.items()}
+
 
 def add_metrics(total: dict[str, float], metrics: Mapping[str, float]) -> dict[str, float]:
     for name, value in metrics.items():
@@ -90,17 +100,16 @@ class LocalClients:
             if len(mine):
                 uploads, metrics = self.half.client_update(round_index, broadcast, self.cohort(mine))
                 check_upload_names(self.method, uploads)
-                replies.uploads, replies.metric_sums = dict(uploads), dict(metrics)
+                replies.keep_uploads(uploads, spec)
+                replies.metric_sums = dict(metrics)
         else:
             for client in mine:
                 upload, metrics = self.half.client_update(round_index, broadcast, self.cohort(client[None]))
                 check_upload_names(self.method, upload)
                 secure.add(int(client), upload)
                 add_metrics(replies.metric_sums, metrics)
-                replies.one_client = replies.one_client or {n: torch.zeros_like(v) for n, v in upload.items()}
+                replies.one_client = replies.one_client or zeros_like(upload)
             replies.masked = secure.total
-        if replies.uploads is not None:
-            replies.one_client = {n: torch.zeros_like(v) for n, v in codec.one_client(replies.uploads, spec).items()}
         replies.client_s = time.perf_counter() - start
         return replies
 

@@ -181,8 +181,7 @@ class FlowerClients:
                 replies.masked = masked if replies.masked is None else ring_sum([replies.masked, masked])
                 replies.one_client = replies.one_client or _one_client_zeros(json.loads(reply["layout"]["json"]))
         if replies.uploads is not None:
-            replies.uploads = {name: value.to(_device(method)) for name, value in replies.uploads.items()}
-            replies.one_client = {n: torch.zeros_like(v) for n, v in codec.one_client(replies.uploads, spec).items()}
+            replies.keep_uploads({name: value.to(_device(method)) for name, value in replies.uploads.items()}, spec)
         replies.client_s = time.perf_counter() - start  # the server's wait: transport included
         return replies
 
