@@ -76,6 +76,7 @@ def ddp_main(out_dir: str) -> None:
     from lightning import Trainer
 
     from workbench.engines import FederatedDDPStrategy, LightningEngine
+    from workbench.engines.ddp import end_processes
 
     torch.set_num_threads(1)
     for name, (build, _) in METHODS.items():
@@ -90,6 +91,7 @@ def ddp_main(out_dir: str) -> None:
         if trainer.is_global_zero:
             torch.save({"state": comparable_state(method), "metrics": dict(engine.fit_metrics),
                         "tested": tested}, Path(out_dir) / f"{name}.pt")
+    end_processes()
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from workbench.data import FederatedDataModule
 from workbench.engines import LightningEngine
+from workbench.engines.ddp import end_processes
 from workbench.federation import Federation
 from workbench.methods import FederatedMethod
 from workbench.runlog import log_hparams, make_loggers, print_summary
@@ -235,15 +236,18 @@ def run(args: list[str] | None = None) -> WorkbenchCLI:
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
         lambda record: "Tip:" not in record.getMessage())  # advertisements for Lightning's cloud
     os.environ.setdefault("WANDB_SILENT", "true")
-    return WorkbenchCLI(
-        LightningEngine, FederatedDataModule,
-        subclass_mode_model=True, subclass_mode_data=True,
-        auto_configure_optimizers=False,
-        save_config_kwargs={"overwrite": True},
-        trainer_defaults={"num_sanity_val_steps": 0, "enable_model_summary": False,
-                          "enable_checkpointing": False},
-        args=args,
-    )
+    try:
+        return WorkbenchCLI(
+            LightningEngine, FederatedDataModule,
+            subclass_mode_model=True, subclass_mode_data=True,
+            auto_configure_optimizers=False,
+            save_config_kwargs={"overwrite": True},
+            trainer_defaults={"num_sanity_val_steps": 0, "enable_model_summary": False,
+                              "enable_checkpointing": False},
+            args=args,
+        )
+    finally:
+        end_processes()  # with --trainer.strategy=ddp: before the interpreter's exit, not during it
 
 
 

@@ -88,6 +88,14 @@ def sum_across_processes(tensor: Tensor, strategy) -> Tensor:
     return strategy.reduce(tensor, reduce_op="sum")
 
 
+def end_processes() -> None:
+    """Destroys this process's process group, if any: a group left to the interpreter's exit can
+    abort the process ("terminate called without an active exception", gloo's threads still
+    running) after its work is done. Every process of a multi-process run calls it last."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def broadcast_module_state(module: nn.Module) -> None:
     """Overwrite every parameter and buffer with rank 0's (no-op without a process group)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
