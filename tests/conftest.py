@@ -53,3 +53,22 @@ def add_dataset():
     with ExitStack() as registered:
         yield lambda name, loader, modality="image": registered.enter_context(
             DATASETS.temporarily(name, loader, modality))
+
+
+# ---- what was skipped, for `.ci/run` to run again once the extras are installed ----------------
+SKIPPED_LOG = os.environ.get("WORKBENCH_SKIPPED_TESTS")
+
+
+def _note_skipped(report) -> None:
+    if SKIPPED_LOG and report.skipped:
+        with open(SKIPPED_LOG, "a") as log:
+            log.write(report.nodeid + "\n")
+
+
+def pytest_runtest_logreport(report):
+    if report.when in ("setup", "call"):
+        _note_skipped(report)
+
+
+def pytest_collectreport(report):  # a module skipped as a whole (pytest.importorskip at its top)
+    _note_skipped(report)

@@ -142,28 +142,36 @@ def test_error_summary_keeps_the_reason_a_config_error_lists():
 
 
 def test_local_sweep_records_a_failure_goes_on_and_skips_complete_runs(tmp_path, capsys):
-    """α = 0 is impossible for a Dirichlet partition: that run fails first and the sweep goes on
-    to the next; a second pass finds the finished run and starts nothing. (Two subprocesses:
-    each one imports Lightning, which is most of a tiny run's time.)"""
+    """α = 0 is impossible for a Dirichlet partition, which the constructor says: that run is
+    recorded as failed without being started. 2000 clients for 2000 samples fail only once the
+    data is partitioned: that run starts, fails and the sweep goes on; a second pass finds the
+    finished run and starts nothing. (Two subprocesses: each imports Lightning, most of a tiny
+    run's time.)"""
     path = write_sweep(tmp_path / "tiny.yaml", {"data.alpha": {"values": [0.0, 0.5]},
-                                                "data.num_clients": {"values": [5]}},
+                                                "data.num_clients": {"values": [2000, 5]}},
                        metric={"name": "test/acc"})
     run_dir = tmp_path / "runs"
     assert main(["sweep", str(path), "--run_dir", str(run_dir), "--dry_run"]) == 2
     out = capsys.readouterr().out  # the dry run already knows α = 0 cannot be built
-    assert "the CLI accepts the flags of all 2 runs; 1 cannot be built" in out
+    assert "the CLI accepts the flags of all 4 runs; 2 cannot be built" in out
     assert "alpha must be > 0" in out
     assert not run_dir.exists()  # a dry run starts nothing
 
-    assert main(["sweep", str(path), "--run_dir", str(run_dir)]) == 1  # a run failed
+    assert main(["sweep", str(path), "--run_dir", str(run_dir)]) == 1  # runs failed
     out = capsys.readouterr().out
-    assert "[1/2] alpha=0 num_clients=5 ... FAILED" in out and "alpha must be > 0" in out
-    assert "[2/2] alpha=0.5 num_clients=5 ... done test/acc=" in out
-    assert "1 done, 0 skipped (already complete), 1 failed" in out
+    assert "[1/4] alpha=0 num_clients=2000 ... FAILED, not started: cannot be built: " in out
+    assert "alpha must be > 0" in out
+    assert "[3/4] alpha=0.5 num_clients=2000 ... FAILED" in out
+    assert "[4/4] alpha=0.5 num_clients=5 ... done test/acc=" in out
+    assert "1 done, 0 skipped (already complete), 3 failed" in out
     folder = run_dir / "tiny"
-    failed = json.loads((folder / "alpha=0,num_clients=5" / "status.json").read_text())
-    assert failed["status"] == "failed" and failed["returncode"] != 0
-    assert "alpha must be > 0" in failed["error"] and failed["error_tail"]
+    refused = json.loads((folder / "alpha=0,num_clients=5" / "status.json").read_text())
+    assert refused["status"] == "failed" and refused["returncode"] is None
+    assert "alpha must be > 0" in refused["error"]
+    failed = json.loads((folder / "alpha=0.5,num_clients=2000" / "status.json").read_text())
+    assert failed["status"] == "failed" and failed["returncode"] == 2  # a user error: exit 2, no traceback
+    assert failed["error"].startswith("error: ") and failed["error_tail"]
+    assert not any("Traceback" in line for line in failed["error_tail"])
     done = json.loads((folder / "alpha=0.5,num_clients=5" / "status.json").read_text())
     assert done["status"] == "done" and done["params"] == {"data.alpha": 0.5, "data.num_clients": 5}
     assert done["command"][-2:] == [f"--run_dir={folder}", "--run_name=alpha=0.5,num_clients=5"]
@@ -179,3 +187,20 @@ def test_local_sweep_records_a_failure_goes_on_and_skips_complete_runs(tmp_path,
     out = capsys.readouterr().out
     assert "[1/1] alpha=0.5 num_clients=5 ... skipped, complete: test/acc=" in out
     assert "0 done, 1 skipped" in out and not list(folder.glob("*/version_1"))
+
+
+def test_a_malformed_sweep_file_is_one_line_naming_where(tmp_path, capsys):
+    path = tmp_path / "broken.yaml"
+    path.write_text("method: grid\nparameters:\n  data.alpha: {values: [0.1, 0.5]\ncommand: [x]\n")
+    assert main(["sweep", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path} is not valid YAML" in err and "line 4" in err and "Traceback" not in err
+
+
+def test_a_flag_the_cli_rejects_stops_the_sweep_before_any_run(tmp_path, capsys):
+    path = write_sweep(tmp_path / "typo.yaml", {"data.num_clientz": {"values": [3, 5]}})
+    run_dir = tmp_path / "runs"
+    assert main(["sweep", str(path), "--run_dir", str(run_dir)]) == 2
+    captured = capsys.readouterr()
+    assert "nothing was run" in captured.err and "num_clientz" in captured.err
+    assert not run_dir.exists()

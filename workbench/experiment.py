@@ -20,6 +20,7 @@ exclusively, so concurrent runs into one `--run_dir` never share one.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import logging
 import os
@@ -32,9 +33,11 @@ from pathlib import Path
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from workbench.console import DEBUG_ENV, condense_parse_error
 from workbench.data import FederatedDataModule
 from workbench.engines import LightningEngine
 from workbench.engines.ddp import end_processes
+from workbench.files import replaced_atomically
 from workbench.federation import Federation
 from workbench.methods import FederatedMethod
 from workbench.runlog import log_hparams, make_loggers, print_summary
@@ -46,13 +49,10 @@ SIGNAL_AFTER_ROUND_ENV = "WORKBENCH_SIGNAL_AFTER_ROUND"
 
 
 def save_atomically(trainer, path: Path) -> None:
-    """`trainer.save_checkpoint` to a temporary file renamed over `path`: a reader (or a crash)
-    never sees half a checkpoint. Every process calls it; rank 0 writes."""
-    path = Path(path)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    trainer.save_checkpoint(temporary)
-    if trainer.is_global_zero:
-        os.replace(temporary, path)
+    """`trainer.save_checkpoint` to a temporary file renamed over `path` (`workbench.files`): a
+    reader (or a crash) never sees half a checkpoint. Every process calls it; rank 0 writes."""
+    with replaced_atomically(path) as temporary:
+        trainer.save_checkpoint(temporary, weights_only=False)  # the whole state: a fit resumes from it
 
 
 class RoundCheckpoint(Callback):
@@ -118,9 +118,50 @@ def newest_last_checkpoint(run_folder: Path, exclude: Path | None = None) -> Pat
     return max(found, key=number)
 
 
+def _method_names() -> list[str]:
+    import workbench.methods as methods
+
+    return [name for name in methods.__all__
+            if isinstance(cls := getattr(methods, name), type) and issubclass(cls, FederatedMethod)
+            and cls is not FederatedMethod]
+
+
+def _settings(class_path: str) -> list[str]:
+    """The constructor's keyword names of the class at `class_path` (for close matches)."""
+    from importlib import import_module
+
+    module, _, name = class_path.rpartition(".")
+    try:
+        signature = inspect.signature(getattr(import_module(module), name))
+    except (ImportError, AttributeError, ValueError):
+        return []
+    return [p.name for p in signature.parameters.values() if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD]
+
+
+class WorkbenchParser(LightningArgumentParser):
+    """A config error in a few lines (the valid choices, a close match) instead of every type the
+    parser tried and the whole usage; with --debug (`WORKBENCH_DEBUG=1`) the parser's own report."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if not self.exit_on_error or os.environ.get(DEBUG_ENV):
+            super().error(message, ex)
+        command = (getattr(ex, "subcommand_parser", None) or self).prog.split()[-1]
+        command = command if command in ("fit", "validate", "test") else "<command>"
+        choices = {"model": _method_names(), "data": ["FederatedDataModule"]}
+        print(f"usage: python -m workbench {command} --config FILE [--key=value ...]   "
+              f"(python -m workbench {command} --help lists the keys)\n"
+              f"error: {condense_parse_error(message, choices, _settings)}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 class WorkbenchCLI(LightningCLI):
     """LightningCLI whose `model:` is a `FederatedMethod` (not a LightningModule): the engine,
     a LightningModule, is built around it from `federation:` and `--engine`."""
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """fit, validate and test (a method predicts through its `forward`, in Python)."""
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name != "predict"}
 
     def add_core_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(self.trainer_class, "trainer")
@@ -129,6 +170,10 @@ class WorkbenchCLI(LightningCLI):
         parser.add_lightning_class_args(self._datamodule_class, "data", subclass_mode=self.subclass_mode_data)
 
     def instantiate_classes(self) -> None:
+        ckpt_path = self._get(self.config, "ckpt_path")
+        if ckpt_path not in (None, "last", "best", "hpc", "registry") and not Path(ckpt_path).is_file():
+            raise FileNotFoundError(f"no checkpoint at --ckpt_path={ckpt_path}: pass a run's model.ckpt or last.ckpt "
+                                    "(runs/<run name>/version_N/), or `last` to resume this run name's newest fit")
         self.config_init = self.parser.instantiate_classes(self.config)
         self.datamodule = self._get(self.config_init, "data")
         self.method = self._get(self.config_init, "model")
@@ -226,22 +271,44 @@ class WorkbenchCLI(LightningCLI):
             print_summary(self.trainer, self.model, checkpoint)
 
 
+#: Lightning's notices that say nothing about a federated run, each with why
+QUIET_WARNINGS = (
+    ".*configure_optimizers.* returned `None`",  # analytic methods have no optimizer, by design
+    ".*does not have many workers",  # the loaders hold cached features in memory: workers would only copy them
+    ".*no `val_dataloader`",  # validation is `validate`'s business (data.val_fraction), not fit's
+    ".*smaller than the logging interval",  # a round is one step; metrics are logged per round
+    ".*Total length of .* across ranks is zero",  # the rounds run in the epoch hooks: no training batches
+    ".*isinstance\\(treespec, LeafSpec\\)` is deprecated",  # Lightning's own use of a torch API, not ours
+    ".*LightningCLI's args parameter is intended",  # run(args) from Python: sys.argv is the caller's
+)
+QUIET_LOGS = (
+    "Tip:",  # advertisements for Lightning's cloud
+    "Seed set to",  # the global seed; every method and partition seeds its own generators
+    "GPU available: False", "TPU available: False", "HPU available: False",  # nothing to use, nothing to say
+    "`Trainer.fit` stopped: `max_epochs",  # the summary says how many rounds ran
+)
+
+
+def quiet_libraries() -> None:
+    """Normal runs print their progress and summary, not library noise (QUIET_* say what and why)."""
+    for notice in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=notice)
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.seed"):
+        logging.getLogger(name).addFilter(lambda record: not any(q in record.getMessage() for q in QUIET_LOGS))
+    os.environ.setdefault("WANDB_SILENT", "true")
+
+
 def run(args: list[str] | None = None) -> WorkbenchCLI:
     """Parse `args` (default: the command line) and run the subcommand; returns the finished CLI
     (`.method`, `.model` the engine, `.datamodule`, `.trainer`)."""
-    # An analytic method has no optimizer by design; Lightning's notice about it is noise here.
-    for notice in (".*configure_optimizers.* returned `None`", ".*does not have many workers",
-                   ".*no `val_dataloader`", ".*smaller than the logging interval"):
-        warnings.filterwarnings("ignore", message=notice)
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
-        lambda record: "Tip:" not in record.getMessage())  # advertisements for Lightning's cloud
-    os.environ.setdefault("WANDB_SILENT", "true")
+    quiet_libraries()
     try:
         return WorkbenchCLI(
-            LightningEngine, FederatedDataModule,
+            LightningEngine, FederatedDataModule, parser_class=WorkbenchParser,
             subclass_mode_model=True, subclass_mode_data=True,
             auto_configure_optimizers=False,
             save_config_kwargs={"overwrite": True},
+            seed_everything_default=0,  # set, so Lightning does not warn that it chose one
             trainer_defaults={"num_sanity_val_steps": 0, "enable_model_summary": False,
                               "enable_checkpointing": False},
             args=args,

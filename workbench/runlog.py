@@ -10,11 +10,12 @@ from lightning.pytorch.loggers import CSVLogger, Logger
 
 
 def _wandb_mode(requested: str) -> str:
-    """`auto` means online only when an API key is configured, so a fresh machine never prompts."""
-    if os.environ.get("WANDB_MODE"):
-        return os.environ["WANDB_MODE"]
+    """`--wandb` wins; `auto` follows `WANDB_MODE` when it is set, else goes online only when an
+    API key is configured, so a fresh machine never prompts."""
     if requested != "auto":
         return requested
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
     netrc = Path.home() / ".netrc"
     has_key = bool(os.environ.get("WANDB_API_KEY")) or (
         netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="ignore"))
@@ -58,12 +59,16 @@ def make_loggers(method, datamodule, *, run_dir: str, run_name: str | None, wand
     if mode != "disabled":
         from lightning.pytorch.loggers import WandbLogger
 
+        os.environ["WANDB_MODE"] = mode  # W&B reads the variable too, and would let it win
+
         info = datamodule.describe()
         loggers.append(WandbLogger(
             # Beside the versions, not inside one: the CSV logger wants its version folder empty.
             project=wandb_project, name=name, save_dir=str(Path(run_dir) / name), mode=mode,
             group=type(method).__name__,
             tags=[info["dataset"], info["backbone"], info["partition"], f"K={info['num_clients']}"]))
+        # Lightning passes anonymous=None, which W&B now warns has no effect on every run.
+        getattr(loggers[-1], "_wandb_init", {}).pop("anonymous", None)
     return loggers
 
 

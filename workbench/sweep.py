@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 import yaml
 
+from workbench.files import write_text_atomically
 from workbench.report.runs import last_value, read_metrics
 
 # A string that YAML would have read as a number had it been written `1.0e-4`: PyYAML reads
@@ -147,7 +148,13 @@ def load_sweep(path: str | Path) -> Sweep:
     """Read and check a sweep file; ValueError naming the fix for anything this runner or the
     W&B agent would trip on."""
     path = Path(path)
-    spec = yaml.safe_load(path.read_text())
+    try:
+        spec = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ValueError(f"{path} is not valid YAML: {problem}{where}") from None
     if not isinstance(spec, dict):
         raise ValueError(f"{path}: a sweep file is a mapping with method, parameters and command")
     method = spec.get("method")
@@ -356,7 +363,7 @@ def completed_version(run_folder: Path, metric: str) -> Path | None:
     return None
 
 
-EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*)?(Error|Exception|Interrupt)\b")
+EXCEPTION_LINE = re.compile(r"^(([A-Za-z_][\w.]*)?(Error|Exception|Interrupt)\b|error: )")
 
 
 def error_summary(lines: list[str]) -> str:
@@ -370,9 +377,7 @@ def error_summary(lines: list[str]) -> str:
 
 
 def _write_status(run_folder: Path, status: dict[str, Any]) -> None:
-    temporary = run_folder / ".status.json.tmp"
-    temporary.write_text(json.dumps(status, indent=2, default=str) + "\n")
-    temporary.replace(run_folder / "status.json")  # never a half-written status
+    write_text_atomically(run_folder / "status.json", json.dumps(status, indent=2, default=str) + "\n")
 
 
 def run_one(sweep: Sweep, values: dict[str, Any], run_folder: Path) -> dict[str, Any]:
@@ -399,8 +404,11 @@ def run_one(sweep: Sweep, values: dict[str, Any], run_folder: Path) -> dict[str,
     return status
 
 
-def run_sweep(sweep: Sweep, runs: list[dict[str, Any]], run_dir: Path) -> dict[str, int]:
-    """Run (or skip) every run with a progress line each; the tally of done/skipped/failed."""
+def run_sweep(sweep: Sweep, runs: list[dict[str, Any]], run_dir: Path,
+              refused: dict[int, str] | None = None) -> dict[str, int]:
+    """Run (or skip) every run with a progress line each; the tally of done/skipped/failed.
+    `refused` ({run index: why}, from `refused_runs`) are recorded as failed without starting."""
+    refused = refused or {}
     folder = run_dir / sweep.name
     print(f"sweep {sweep.name}: {len(runs)} {sweep.method} runs of {sweep.config or 'its command'} "
           f"-> {folder}", flush=True)
@@ -408,6 +416,14 @@ def run_sweep(sweep: Sweep, runs: list[dict[str, Any]], run_dir: Path) -> dict[s
     for i, values in enumerate(runs, 1):
         run_folder = folder / run_name(values)
         print(f"[{i}/{len(runs)}] {' '.join(value_labels(values))} ... ", end="", flush=True)
+        if i - 1 in refused:
+            status = {"params": values, "status": "failed", "returncode": None, "seconds": 0.0,
+                      "metric": sweep.metric, "error": f"cannot be built: {refused[i - 1]}", "error_tail": []}
+            run_folder.mkdir(parents=True, exist_ok=True)
+            _write_status(run_folder, status)
+            print(f"FAILED, not started: {status['error']}", flush=True)
+            tally["failed"] += 1
+            continue
         version = completed_version(run_folder, sweep.metric)
         if version is not None:
             value = last_value(read_metrics(version / "metrics.csv"), sweep.metric)
@@ -429,18 +445,27 @@ def run_sweep(sweep: Sweep, runs: list[dict[str, Any]], run_dir: Path) -> dict[s
     return tally
 
 
+def refused_runs(sweep: Sweep, runs: list[dict[str, Any]], run_dir: Path) -> dict[int, str] | None:
+    """Checks every run before any starts (`check_runs`): None, after printing the CLI's message,
+    when it rejects a flag (every run would fail alike); else {run index: why it cannot be built}."""
+    error, failures = check_runs(sweep, runs, run_dir)
+    if error is not None:
+        print(f"the CLI rejects the flags of this sweep; nothing was run:\n{error}", file=sys.stderr)
+        return None
+    return failures
+
+
 def dry_run(sweep: Sweep, runs: list[dict[str, Any]], run_dir: Path) -> int:
     """Print each run's command, check the CLI accepts the flags and that each run's method and
     data module can be built from them; runs nothing."""
     folder = run_dir / sweep.name
-    error, failures = check_runs(sweep, runs, run_dir)
+    failures = refused_runs(sweep, runs, run_dir)
     for i, values in enumerate(runs):
         argv = command_argv(sweep, agent_flags(values), folder / run_name(values))
         print(f"[{i + 1}/{len(runs)}] {shlex.join(['python', *argv[1:]])}")
-        if i in failures:
+        if failures and i in failures:
             print(f"    cannot be built: {failures[i]}")
-    if error is not None:
-        print(f"the CLI rejects these flags:\n{error}", file=sys.stderr)
+    if failures is None:
         return 2
     built = f"{len(failures)} cannot be built (above)" if failures else "each one can be built"
     print(f"the CLI accepts the flags of all {len(runs)} runs; {built}")
@@ -472,4 +497,7 @@ def main(argv: list[str] | None = None) -> int:
                      "wandb agent)")
     if args.dry_run:
         return dry_run(sweep, runs, Path(args.run_dir))
-    return 1 if run_sweep(sweep, runs, Path(args.run_dir))["failed"] else 0
+    refused = refused_runs(sweep, runs, Path(args.run_dir))
+    if refused is None:
+        return 2
+    return 1 if run_sweep(sweep, runs, Path(args.run_dir), refused)["failed"] else 0

@@ -21,6 +21,35 @@ PARTITION_PARAMS = {
 }
 
 
+
+def check_inputs(dataset: str, inputs: str, backbone: str, cache_dir: str) -> None:
+    """What can be known about the data before anything is loaded: the dataset and backbone exist
+    and suit each other, and the feature cache can take the features. ValueError naming the
+    choices (PermissionError for the cache)."""
+    from workbench.backbones import backbone_modality, list_backbones
+    from workbench.data.features import check_writable
+    from workbench.data.registry import DATASETS
+
+    if dataset not in DATASETS:
+        raise ValueError(f"unknown dataset {dataset!r}; choose one of: {', '.join([*DATASETS.names(), 'synthetic'])} "
+                         "(`python -m workbench list` describes them)")
+    kind = DATASETS.modality(dataset)
+    if inputs == "images":
+        if kind != "image":
+            raise ValueError(f"data.inputs=images needs an image dataset; {dataset!r} holds texts: "
+                             "use data.inputs=features with a text backbone")
+        return
+    try:
+        backbone_kind = backbone_modality(backbone)
+    except ValueError:
+        raise ValueError(f"unknown backbone {backbone!r}; choose one of: {', '.join(list_backbones(modality=kind))}"
+                         + (" or any timm model name (timm.list_models())" if kind == "image" else "")) from None
+    if backbone_kind != kind:
+        choices = ", ".join(list_backbones(modality=kind))
+        raise ValueError(f"dataset {dataset!r} holds {kind}s but backbone {backbone!r} is not a {kind} backbone; "
+                         f"set data.backbone to one of {choices}" + (" or any timm model name" if kind == "image" else ""))
+    check_writable(cache_dir, dataset)
+
 @dataclass
 class SyntheticBlobs:
     """Gaussian class blobs drawn directly in feature space (dataset `synthetic`, no backbone).
@@ -181,6 +210,8 @@ class FederatedDataModule(LightningDataModule):
             raise ValueError("batch_size and extract_batch_size must be ≥ 1")
         if precision not in ("float32", "bf16"):
             raise ValueError(f"data.precision must be 'float32' or 'bf16', got {precision!r}")
+        if dataset != "synthetic":
+            check_inputs(dataset, inputs, backbone, cache_dir)
         self.save_hyperparameters()
         self.args = self.hparams
         self.synthetic = synthetic
@@ -290,18 +321,12 @@ class FederatedDataModule(LightningDataModule):
                 f"those rows (they come from {source}; a damaged feature cache is rebuilt once deleted)")
 
     def _backbone_features(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        from workbench.backbones import backbone_modality, build_backbone, list_backbones
+        from workbench.backbones import build_backbone
         from workbench.data.registry import dataset_modality, load_dataset
         from workbench.data.features import cached_features
 
         args = self.args
         kind = dataset_modality(args.dataset)
-        if backbone_modality(args.backbone) != kind:  # checked before anything heavy is loaded
-            choices = ", ".join(list_backbones(modality=kind))
-            raise ValueError(
-                f"dataset '{args.dataset}' holds {kind}s but backbone '{args.backbone}' is not a "
-                f"{kind} backbone; set data.backbone to one of {choices}"
-                + (" or any timm model name" if kind == "image" else ""))
         data = load_dataset(args.dataset, data_dir=args.data_dir, download=args.download)
         self._num_classes = len(data.classes)
         backbone = build_backbone(args.backbone, pretrained=args.pretrained, weights_path=args.weights_path,
@@ -320,11 +345,7 @@ class FederatedDataModule(LightningDataModule):
 
     def _images(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Raw images as float (n, c, H, W) in [-1, 1] (a fixed, data-free scaling)."""
-        from workbench.data.registry import dataset_modality, load_dataset
-
-        if dataset_modality(self.args.dataset) != "image":
-            raise ValueError(f"data.inputs=images needs an image dataset; '{self.args.dataset}' "
-                             f"holds texts: use data.inputs=features with a text backbone")
+        from workbench.data.registry import load_dataset
 
         data = load_dataset(self.args.dataset, data_dir=self.args.data_dir, download=self.args.download)
         self._num_classes = len(data.classes)

@@ -3,8 +3,8 @@
 A cache file holds the features of one (dataset, split, backbone, weights, transform); its
 name carries a hash of all of these and the file repeats the full key, so a file is only
 ever used for exactly the inputs that produced it. For a text backbone the transform is the
-tokenizer (a hash of it), max_length, pooling and normalization. Writes are atomic (temp file +
-rename); a corrupt or mismatched file is reported and rebuilt.
+tokenizer (a hash of it), max_length, pooling and normalization. Writes are atomic
+(`workbench.files`); a corrupt or mismatched file is reported and rebuilt.
 
 Precision: the forward runs in float32, or with `precision="bf16"` under bfloat16 autocast
 (convolutions and matrix products in bfloat16, other ops as torch.autocast decides); features
@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from tqdm.auto import tqdm
+
+from workbench.files import replaced_atomically
 
 CACHE_FORMAT = 1  # bump when the file layout or the preprocessing changes
 PRECISIONS = ("float32", "bf16")
@@ -143,18 +145,37 @@ def _read(path: Path, key: str, labels: Tensor, feature_dim: int) -> Tensor:
     return features
 
 
-def _write_atomic(path: Path, blob: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+def check_writable(cache_dir: str | Path, dataset: str) -> None:
+    """Before anything is built: PermissionError naming the fix when `dataset`'s features would
+    have to be written to a cache folder that cannot be written. A read-only cache that holds
+    features of the dataset passes (which ones is known only once the backbone is built; a
+    missing file then fails before its extraction)."""
+    folder = Path(cache_dir).expanduser() / _safe(dataset)
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    try:  # a nameless file, gone when closed: the honest test (os.access trusts root, not mounts)
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as error:
+        if not (folder.is_dir() and any(folder.glob("*.pt"))):
+            raise PermissionError(
+                f"the feature cache {folder} cannot be written ({error.strerror} in {existing}) and holds no "
+                f"features of {dataset}: set data.cache_dir to a writable folder") from None
+
+
+def _claim(temporary: Path) -> None:
+    """Creates the file the features will go to, so a cache that cannot be written fails now,
+    not after the extraction."""
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(blob, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        temporary.touch()
+    except OSError as error:
+        raise PermissionError(f"the feature cache {temporary.parent} cannot be written ({error.strerror}): "
+                              "set data.cache_dir to a writable folder") from error
+
+
+def _save(blob: dict, temporary: Path) -> None:
+    with open(temporary, "wb") as f:
+        torch.save(blob, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def is_text_backbone(backbone) -> bool:
@@ -192,6 +213,8 @@ def cached_features(backbone, inputs: Tensor | Sequence[str], labels: Tensor, *,
             warnings.warn(f"feature cache {path} is corrupt or mismatched ({why}); rebuilding it",
                           stacklevel=2)
     extract = extract_text_features if is_text_backbone(backbone) else extract_features
-    features = extract(backbone, inputs, batch_size, device, desc=f"{dataset}/{split}", precision=precision)
-    _write_atomic(path, {"key": key, "features": features, "labels": labels.clone()})
+    with replaced_atomically(path) as temporary:  # (its folder is made; check_writable ran first)
+        _claim(temporary)
+        features = extract(backbone, inputs, batch_size, device, desc=f"{dataset}/{split}", precision=precision)
+        _save({"key": key, "features": features, "labels": labels.clone()}, temporary)
     return features

@@ -277,7 +277,7 @@ class OSFEDClient(SnapshotGeometry, FedAvgClient):
 
 
 class OSFED(SnapshotGeometry, FedAvg):
-    """One snapshot per round (CVPR 2026).
+    """OS-FED (CVPR 2026): FedAvg whose clients each upload one learned synthetic snapshot per round.
 
     Args:
         num_rounds, architecture, hidden_dim, local_epochs, lr, local_batch_size, sample_fraction,

@@ -11,6 +11,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
 
+from workbench.files import write_text_atomically
 from workbench.report import plots
 from workbench.report.runs import Run
 
@@ -170,13 +171,6 @@ def render_section(section: Section, png: Path | None, metric: str) -> str:
             f'(<a href="{section.file}">{section.file}</a>)</figcaption></figure>')
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Write a temporary file beside `path`, then rename it: never a half-written page."""
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text(text, encoding="utf-8")
-    temporary.replace(path)
-
-
 def write_report(runs: list[Run], out: Path, metric: str = "test/acc",
                  group_by: str = "method") -> Path:
     """`out/index.html` plus one PNG per figure that has data; returns the page's path."""
@@ -207,5 +201,5 @@ Written {datetime.now():%Y-%m-%d %H:%M} from the runs' <code>metrics.csv</code> 
 </html>
 """
     page_path = out / "index.html"
-    write_atomically(page_path, page)
+    write_text_atomically(page_path, page)
     return page_path

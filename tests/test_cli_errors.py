@@ -1,0 +1,159 @@
+"""The command line as a new user meets it: what it offers, and wrong input stopped early in a few
+lines (what is wrong, the choices, the fix), before any Trainer, run folder, W&B run or
+extraction exists. Driven through `python -m workbench`'s entry point, in process."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from workbench.__main__ import main
+from workbench.console import COMMANDS
+
+ROOT = Path(__file__).resolve().parents[1]
+SYNTHETIC = ["--config", str(ROOT / "configs/synthetic_afl.yaml"), "--trainer.enable_progress_bar=false"]
+IMAGES = ["--config", str(ROOT / "configs/demo.yaml"), "--trainer.enable_progress_bar=false"]
+
+
+def refused(capsys, run_dir: Path, *args: str) -> str:
+    """Runs `fit` with `args`; asserts exit status 2, a short message with no traceback and
+    nothing left in `run_dir`; returns the message."""
+    status = main(["fit", *args, f"--run_dir={run_dir}", "--wandb=disabled"])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) <= 3, err
+    assert not run_dir.exists(), "a run folder was made before the input was checked"
+    return err
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--data.num_clients=0", "data.num_clients must be ≥ 1, got 0"),
+    ("--data.alpha=0", "data.alpha must be > 0"),
+    ("--model.gamma=-1", "gamma and gamma_out must be ≥ 0"),
+    ("--data.val_fraction=1.5", "data.val_fraction must be in [0, 1)"),
+])
+def test_a_constructor_check_is_one_line(flag, message, capsys, tmp_path):
+    err = refused(capsys, tmp_path / "runs", *SYNTHETIC, flag)
+    assert err.startswith(f"error: {message}") and "--debug" in err
+
+
+def test_an_unknown_ghofl_head_names_the_heads(capsys, tmp_path):
+    err = refused(capsys, tmp_path / "runs", *SYNTHETIC, "--model=GHOFL", "--model.heads=[lda,nope]")
+    assert "heads must be distinct names among" in err and "'qda'" in err
+
+
+def test_a_misspelled_method_lists_the_methods_and_the_closest(capsys, tmp_path):
+    err = refused(capsys, tmp_path / "runs", *SYNTHETIC, "--model=AFLL")
+    assert "unknown method 'AFLL'" in err and "DeepAFL, SAFLe, GHOFL" in err and "did you mean 'AFL'" in err
+
+
+def test_a_misspelled_setting_names_the_closest_and_the_settings(capsys, tmp_path):
+    err = refused(capsys, tmp_path / "runs", *SYNTHETIC, "--model.gama=2")
+    assert "AFL has no setting 'gama'; did you mean 'gamma'?" in err and "gamma_out" in err
+
+
+def test_an_unknown_dataset_fails_before_the_trainer(capsys, tmp_path):
+    err = refused(capsys, tmp_path / "runs", *IMAGES, "--data.dataset=cifar11")
+    assert "unknown dataset 'cifar11'; choose one of:" in err and "fashion_mnist" in err and "synthetic" in err
+
+
+def test_an_unknown_backbone_fails_before_the_trainer(capsys, tmp_path):
+    err = refused(capsys, tmp_path / "runs", *IMAGES, "--data.backbone=resnet99")
+    assert "unknown backbone 'resnet99'; choose one of: efficientnet_lite0 or any timm model name" in err
+
+
+def test_a_text_backbone_for_images_names_the_image_backbones(capsys, tmp_path):
+    err = refused(capsys, tmp_path / "runs", *IMAGES, "--data.backbone=all_minilm_l6_v2")
+    assert "holds images but backbone 'all_minilm_l6_v2' is not a image backbone" in err
+
+
+def unwritable_folder(tmp_path: Path) -> Path:
+    """A folder this process cannot write: /proc refuses even root, who ignores permission bits."""
+    if os.geteuid() == 0:
+        return Path("/proc/workbench-cache")
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o500)
+    return folder
+
+
+def test_a_read_only_cache_without_the_features_fails_before_the_trainer(capsys, tmp_path):
+    cache = unwritable_folder(tmp_path)
+    err = refused(capsys, tmp_path / "runs", *IMAGES, f"--data.cache_dir={cache}")
+    assert "cannot be written" in err and "set data.cache_dir to a writable folder" in err
+
+
+def test_debug_shows_the_traceback_instead(monkeypatch, tmp_path):
+    monkeypatch.setenv("WORKBENCH_DEBUG", "")  # restored (unset) afterwards; --debug sets it
+    with pytest.raises(ValueError, match="num_clients must be ≥ 1"):
+        main(["fit", *SYNTHETIC, "--data.num_clients=0", f"--run_dir={tmp_path}", "--debug"])
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch, tmp_path):
+    """Only this package's input checks are shortened: anything else is a bug and says where."""
+    import workbench.cli
+
+    def broken(args):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(workbench.cli, "main", broken)
+    with pytest.raises(ZeroDivisionError):
+        main(["fit", *SYNTHETIC])
+
+
+def test_help_lists_every_command_with_one_line(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for command in ("fit", "validate", "test", "sweep", "compare", "list"):
+        assert f"\n  {command} " in out
+    assert "predict" not in out and set(COMMANDS) == {"fit", "validate", "test", "sweep", "compare", "list"}
+    assert main([]) == 2  # no command: the same list, and a failing status for scripts
+
+
+def test_predict_and_unknown_commands_are_refused_with_the_list(capsys):
+    assert main(["predict", *SYNTHETIC]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'predict'" in err and "compare" in err
+
+
+def test_help_starts_without_torch_or_lightning():
+    """`--help` answers from `workbench.console` alone (the README gives its time)."""
+    code = ("import sys, workbench.__main__ as m; m.main(['--help']); "
+            "heavy = [n for n in ('torch', 'lightning', 'jsonargparse') if n in sys.modules]; "
+            "sys.exit(len(heavy))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "commands:" in done.stdout
+
+
+def test_list_prints_methods_datasets_backbones_partitions_and_engines(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    for section, entry in [("methods", "DeepAFL"), ("datasets", "fashion_mnist"), ("backbones", "efficientnet_lite0"),
+                           ("partitions", "dirichlet"), ("engines", "flower")]:
+        assert f"{section}:\n" in out and f"\n  {entry} " in out
+    assert main(["list", "partitions"]) == 0
+    assert capsys.readouterr().out.startswith("partitions:\n  iid")
+
+
+def test_an_explicit_wandb_flag_beats_the_environment(monkeypatch):
+    from workbench.runlog import _wandb_mode
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert _wandb_mode("disabled") == "disabled"
+    assert _wandb_mode("auto") == "offline"
+    monkeypatch.setenv("WANDB_MODE", "")
+    monkeypatch.setenv("HOME", "/nonexistent")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    assert _wandb_mode("auto") == "offline"
+
+
+def test_a_missing_checkpoint_fails_before_the_trainer(capsys, tmp_path):
+    status = main(["test", *SYNTHETIC, f"--ckpt_path={tmp_path / 'nothere.ckpt'}", f"--run_dir={tmp_path / 'runs'}"])
+    err = capsys.readouterr().err
+    assert status == 2 and "no checkpoint at --ckpt_path=" in err and "model.ckpt" in err
+    assert not (tmp_path / "runs").exists()

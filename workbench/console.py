@@ -1,0 +1,106 @@
+"""What the command line says before and after a run: the list of commands, and user errors in a
+few lines instead of a traceback.
+
+Kept free of heavy imports (no torch, no Lightning): `python -m workbench --help` answers from
+here alone.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+#: every command of `python -m workbench`, with its one line of help
+COMMANDS = {
+    "fit": "fit a method on a federated dataset, test it and print a summary (--config configs/X.yaml)",
+    "validate": "score a method on the held-out validation split (data.val_fraction > 0)",
+    "test": "test a fitted model (--ckpt_path runs/<name>/version_N/model.ckpt)",
+    "sweep": "run a W&B sweep file here, without the W&B server (sweeps/X.yaml)",
+    "compare": "one HTML page comparing finished runs: table, figures, PNGs",
+    "list": "the methods, datasets, backbones and partitions this install offers",
+}
+
+USAGE = """usage: python -m workbench <command> [options]     (or: workbench <command> ...)
+
+commands:
+{commands}
+
+`python -m workbench <command> --help` shows a command's options; fit/validate/test take
+`--config configs/X.yaml` and `--key=value` overrides. Add --debug to see a failure's traceback.
+"""
+
+DEBUG_FLAG = "--debug"
+DEBUG_ENV = "WORKBENCH_DEBUG"  # set by --debug, so that the processes a run starts see it too
+DEBUG_HINT = f"(add {DEBUG_FLAG} for the traceback)"
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    return USAGE.format(commands="\n".join(f"  {name:<{width}}  {line}" for name, line in COMMANDS.items()))
+
+
+# ---- user errors -------------------------------------------------------------------------------
+#: exception types that, raised by this package's own code, report a wrong input (a setting, a
+#: file, a missing extra) with a message that names the fix; anything else is a bug and keeps its
+#: traceback
+USER_ERROR_TYPES = (ValueError, OSError, ImportError, FloatingPointError)
+PACKAGE = Path(__file__).resolve().parent
+
+
+def _raised_here(error: BaseException) -> bool:
+    """Whether the innermost frame that raised `error` is in this package."""
+    traceback, frame_file = error.__traceback__, None
+    while traceback is not None:
+        frame_file = traceback.tb_frame.f_code.co_filename
+        traceback = traceback.tb_next
+    return frame_file is not None and PACKAGE in Path(frame_file).resolve().parents
+
+
+def user_error(error: BaseException) -> BaseException | None:
+    """The wrong input behind `error`: the first exception along its chain (`raise ... from`,
+    or raised while handling) that this package raised as a user error (a constructor's check
+    that the config parser wrapped, a file not found), or None when `error` is a bug."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, USER_ERROR_TYPES) and _raised_here(error):
+            return error
+        error = error.__cause__ if error.__cause__ is not None or error.__suppress_context__ else error.__context__
+    return None
+
+
+def print_user_error(error: BaseException, file=None) -> None:
+    print(f"error: {error}\n{DEBUG_HINT}", file=file or sys.stderr)
+
+
+# ---- the config parser's messages --------------------------------------------------------------
+# jsonargparse explains a bad value by every type it tried (the class, then None); these lines say
+# nothing the first ones do not.
+_NOISE = re.compile(r"^\s*(- )?(Expected a <class 'NoneType'>|Does not validate against any of the Union "
+                    r"subtypes|Subtypes: |Errors:|Given value type: |Given value: |Expected a path but )")
+_UNKNOWN_CLASS = re.compile(r"Parser key \"(model|data)\".*?Expected a dot import path string: (\S+)", re.S)
+_UNKNOWN_OPTION = re.compile(r"class_path '([\w.]+)':\s*Option '(\w+)' is not accepted")
+
+
+def condense_parse_error(message: str, choices: dict[str, list[str]], settings) -> str:
+    """A config error in a few lines. `choices` names the classes each of `model`/`data` accepts;
+    `settings(class_path)` gives a class's setting names (for close matches)."""
+    import difflib
+
+    unknown = _UNKNOWN_CLASS.search(message)
+    if unknown:
+        key, name = unknown.groups()
+        kind = "method" if key == "model" else "data module"
+        close = difflib.get_close_matches(name, choices[key], n=1, cutoff=0.5)
+        return (f"unknown {kind} {name!r} (--{key}); choose one of: {', '.join(choices[key])}"
+                + (f" (did you mean {close[0]!r}?)" if close else ""))
+    option = _UNKNOWN_OPTION.search(message)
+    if option:
+        class_path, name = option.groups()
+        known = settings(class_path)
+        close = difflib.get_close_matches(name, known, n=1)
+        return (f"{class_path.rsplit('.', 1)[-1]} has no setting {name!r}"
+                + (f"; did you mean {close[0]!r}?" if close else "")
+                + f" Its settings: {', '.join(known)}")
+    kept = [line for line in message.splitlines() if line.strip() and not _NOISE.match(line)]
+    return "\n".join(kept)
