@@ -148,16 +148,30 @@ def test_the_schedules_give_the_same_model(fit_method):
         assert relative_error(fused.phi_cross, phi.T @ one_hot(dm.train_labels)) <= 1e-8
 
 
-def test_float32_schedules_agree(fit_method):
-    """`dtype: float32` (its random layers are drawn in float32: another model than float64's):
-    both schedules run in float32 and give the same model to float32 accuracy."""
+def test_float32_is_the_float64_model_in_less_precision(fit_method):
+    """`dtype: float32`: the random layers of float64 (drawn in float64, then cast), the clients'
+    features and statistics in float32, the server's sums and solves in float64. Both schedules
+    give float64's Ω_t, W_t and logits to float32 accuracy, its predictions, and each other's model."""
     dm = data(partition="iid", num_clients=4, batch_size=100)
-    fused, two = (DeepAFL(num_layers=3, dtype="float32", schedule=schedule, **SMALL) for schedule in SCHEDULES)
-    fit_method(fused, dm)
-    fit_method(two, dm)
-    assert fused.classifier.dtype == torch.float32 and fused.phi_gram.dtype == torch.float32
-    assert relative_error(fused.classifier.double(), two.classifier.double()) <= 1e-4
-    assert relative_error(fused.omega.double(), two.omega.double()) <= 1e-4
+    reference = DeepAFL(num_layers=8, dtype="float64", **SMALL)
+    fit_method(reference, dm)
+    fitted = {}
+    for schedule in SCHEDULES:
+        method = fitted[schedule] = DeepAFL(num_layers=8, dtype="float32", schedule=schedule, **SMALL)
+        fit_method(method, dm)
+        for name in ("input_weight", "input_bias", "block_weight", "block_bias"):
+            assert getattr(method, name).dtype == torch.float32
+            assert torch.equal(getattr(method, name), getattr(reference, name).float()), name
+        assert method.classifier.dtype == method.omega.dtype == torch.float32
+        assert relative_error(method.classifier.double(), reference.classifier) <= 1e-4
+        assert relative_error(method.omega.double(), reference.omega) <= 1e-4
+        logits, reference_logits = method(dm.test_features), reference(dm.test_features)
+        assert logits.dtype == torch.float32
+        assert relative_error(logits.double(), reference_logits) <= 1e-5
+        assert torch.equal(logits.argmax(1), reference_logits.argmax(1))
+    assert fitted["fused"].phi_gram.dtype == fitted["fused"].phi_cross.dtype == torch.float64  # the server's sums
+    assert relative_error(fitted["fused"].classifier.double(), fitted["two_round"].classifier.double()) <= 1e-4
+    assert relative_error(fitted["fused"].omega.double(), fitted["two_round"].omega.double()) <= 1e-4
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -247,6 +261,9 @@ def test_random_layers_come_from_the_seed_alone():
     assert torch.equal(deeper.block_weight[:3], first.block_weight)
     weight, bias = random_layer(7, 2, SMALL["hidden_dim"], SMALL["block_dim"])
     assert torch.equal(first.block_weight[1], weight) and torch.equal(first.block_bias[1], bias)
+    # float32 is float64's draw, cast (the same random model)
+    weight32, bias32 = random_layer(7, 2, SMALL["hidden_dim"], SMALL["block_dim"], torch.float32)
+    assert torch.equal(weight32, weight.float()) and torch.equal(bias32, bias.float())
 
 
 def test_random_layers_follow_the_default_linear_init():

@@ -65,6 +65,16 @@ per-sample caches are not saved in checkpoints: a client that lacks them (a resu
 process) rebuilds Φ from its samples and the Ω it received and keeps (`omega`, its only saved
 state).
 
+Precision (`dtype`): the model (the random layers, Ω_t, W_t), the clients' per-sample features
+and statistics, and so what travels, are in `dtype`. The random layers are drawn in float64 and
+cast, so float32 is float64's model in less precision, not another random model. The server works
+in float64 either way (`SOLVE_DTYPE`): it casts the summed statistics as it receives them (the
+engine sums the K clients' uploads in `dtype`: few terms), keeps G_t, P_t in float64, solves Ω_t
+and W_t in float64 (ΦᵀΦ + γI is ill-conditioned: Φ's features share a large mean) and casts them
+to `dtype` to keep and broadcast. On Fashion-MNIST (T = 20, h = f = 1024) float32's W_t are then
+within 4·10⁻⁴ (relative) of float64's and its test predictions differ in at most 1 of 10 000 at
+any depth (float32 solves: 4·10⁻³, up to 5 of 10 000); benchmarks/results/deepafl_speed.md.
+
 Each W_t minimizes the ridge risk J_t = ‖Y − Φ_t W_t‖² + γ‖W_t‖², and Ω = 0 is a feasible choice
 for Ω_t, so J_t + γ_s‖Ω_t‖² ≤ J_{t−1}: the training risk never increases with depth.
 """
@@ -80,6 +90,10 @@ from workbench.methods.base import SUMMED, SYMMETRIC, ClientHalf, Cohort, Federa
 
 ACTIVATIONS = {"gelu": nnf.gelu, "relu": torch.relu, "tanh": torch.tanh, "sigmoid": torch.sigmoid}
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+# The server's sums and solves, whatever `dtype` is: ΦᵀΦ + γI is ill-conditioned (Φ's features have
+# a large common mean), and solving in float32 puts W_t ten times further from float64's
+# (Fashion-MNIST, T = 20: 4·10⁻³ relative instead of 4·10⁻⁴).
+SOLVE_DTYPE = torch.float64
 
 
 def random_layer(seed: int, layer: int, fan_in: int, fan_out: int,
@@ -89,14 +103,16 @@ def random_layer(seed: int, layer: int, fan_in: int, fan_out: int,
     `nn.Linear`'s default initialisation, as in the official code: kaiming-uniform with a = √5
     gives U(−1/√fan_in, 1/√fan_in) for the weight, and the bias uses the same bound. Each layer
     has a generator of its own, seeded from (seed, layer), so any layer is rebuilt alone and
-    the same on every machine (drawn on the CPU).
+    the same on every machine (drawn on the CPU). Drawn in float64 and then cast to `dtype`: a
+    float32 draw from the same generator gives other numbers, so float32 would be another random
+    model than float64 rather than the same model in less precision.
     """
     layer_seed = int(np.random.SeedSequence([seed, layer]).generate_state(1, np.uint64)[0])
     generator = torch.Generator().manual_seed(layer_seed)
     bound = fan_in ** -0.5
-    weight = (2 * torch.rand(fan_in, fan_out, generator=generator, dtype=dtype) - 1) * bound
-    bias = (2 * torch.rand(fan_out, generator=generator, dtype=dtype) - 1) * bound
-    return weight, bias
+    weight = (2 * torch.rand(fan_in, fan_out, generator=generator, dtype=torch.float64) - 1) * bound
+    bias = (2 * torch.rand(fan_out, generator=generator, dtype=torch.float64) - 1) * bound
+    return weight.to(dtype), bias.to(dtype)
 
 
 def solve_omega_factors(hidden_gram: Tensor, hidden_residual: Tensor, classifier: Tensor,
@@ -323,8 +339,10 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         gamma: γ, the ridge regularization of every classifier W_t.
         gamma_s: γ_s > 0, the regularization of the sandwiched least squares for Ω_t.
         seed: the shared seed every client rebuilds the random layers from.
-        dtype: dtype of the random layers, the per-sample features, the statistics and the
-            solves (and so of what is sent).
+        dtype: dtype of the model (the random layers, Ω_t, W_t), of the clients' per-sample
+            features and statistics, and so of what is sent. The server sums and solves in
+            float64 either way (`SOLVE_DTYPE`). The random layers are drawn in float64 and cast,
+            so float32 is the float64 model in less precision, not another random model.
         schedule: `fused` (T + 1 rounds: Ω_t and W_t in one round, clients also upload
             M_t = Φ_{t−1}ᵀF_t) or `two_round` (2T + 1 rounds: Ω_t, then W_t). Same model; under
             `federation.dropout > 0` see the module docstring.
@@ -397,9 +415,10 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         self.register_buffer("omega", torch.zeros(layers, f, h, dtype=self.stat_dtype))  # Ω_t (T, f, h)
         self.register_buffer("classifier",  # W_t (T + 1, h, C), t = 0..T
                              torch.zeros(layers + 1, h, problem.num_classes, dtype=self.stat_dtype))
-        if self.fused:  # G_t = ΣΦ_tᵀΦ_t and P_t = ΣΦ_tᵀY of the latest depth (checkpointed: a resumed fit needs them)
-            self.register_buffer("phi_gram", torch.zeros(h, h, dtype=self.stat_dtype))
-            self.register_buffer("phi_cross", torch.zeros(h, problem.num_classes, dtype=self.stat_dtype))
+        if self.fused:  # G_t = ΣΦ_tᵀΦ_t and P_t = ΣΦ_tᵀY of the latest depth (checkpointed: a resumed fit needs them),
+            # kept in SOLVE_DTYPE: the recursion adds to them every layer
+            self.register_buffer("phi_gram", torch.zeros(h, h, dtype=SOLVE_DTYPE))
+            self.register_buffer("phi_cross", torch.zeros(h, problem.num_classes, dtype=SOLVE_DTYPE))
 
     def client_half(self) -> DeepAFLClient:
         return DeepAFLClient(self.problem, self)
@@ -427,8 +446,10 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         return {"omega": self.omega[layer - 1]}
 
     def _solve_classifier(self, layer: int, gram: Tensor, cross: Tensor) -> None:
+        """W_t from SOLVE_DTYPE sums, kept (and broadcast) in the model's dtype."""
         gram = gram + self.gamma * identity_like(gram)
-        self.classifier[layer] = solve_spd(gram, cross, what=f"DeepAFL's Gram matrix at depth {layer}")
+        classifier = solve_spd(gram, cross, what=f"DeepAFL's Gram matrix at depth {layer}")
+        self.classifier[layer] = classifier.to(self.stat_dtype)
 
     def _fused_server_update(self, uploads: dict[str, Tensor]) -> dict[str, float]:
         """Round t: Ω_t from FᵀF and FᵀR, then G_t, P_t from G_{t−1}, P_{t−1} (kept, or restated by
@@ -440,10 +461,11 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         else:
             gram, cross = self.phi_gram, self.phi_cross
         if layer > 0:
-            previous = self.classifier[layer - 1]
+            # W_{t−1} as the clients have it (in `dtype`): their FᵀR = FᵀY − MᵀW_{t−1} used it
+            previous = self.classifier[layer - 1].to(SOLVE_DTYPE)
             hidden_gram, hidden_residual, mixed = uploads["hidden_gram"], uploads["hidden_residual"], uploads["mixed"]
             left, right = solve_omega_factors(hidden_gram, hidden_residual, previous, self.gamma_s)
-            self.omega[layer - 1] = left @ right.T
+            self.omega[layer - 1] = (left @ right.T).to(self.stat_dtype)
             coupling = (mixed @ left) @ right.T  # M_t Ω_t, (h, h)
             inner = right @ ((left.T @ hidden_gram @ left) @ right.T)  # Ω_tᵀ FᵀF Ω_t
             gram = gram + coupling + coupling.T + (inner + inner.T) / 2
@@ -454,12 +476,16 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         return {}
 
     def server_update(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, float]:
+        # The clients' statistics arrive in `dtype`; the server works on them in SOLVE_DTYPE (a
+        # no-op in float64) and casts Ω_t and W_t back to `dtype` to keep and broadcast them.
+        uploads = {name: value.to(SOLVE_DTYPE) for name, value in uploads.items()}
         if self.fused:
             return self._fused_server_update(uploads)
         layer, solves_omega = round_plan(self.round)
         if solves_omega:
-            self.omega[layer - 1] = solve_omega(uploads["hidden_gram"], uploads["hidden_residual"],
-                                                self.classifier[layer - 1], self.gamma_s)
+            omega = solve_omega(uploads["hidden_gram"], uploads["hidden_residual"],
+                                self.classifier[layer - 1].to(SOLVE_DTYPE), self.gamma_s)
+            self.omega[layer - 1] = omega.to(self.stat_dtype)
             return {}
         self._solve_classifier(layer, uploads["gram"], uploads["cross"])
         return {}
