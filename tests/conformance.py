@@ -44,10 +44,14 @@ PROTOCOLS = {
     "dropout": Federation(dropout=0.34, seed=2),
     "secure": Federation(secure_aggregation=True, seed=2),
     "dp": Federation(dp_sigma=1e-3, seed=2),
+    # client-level DP: per-client clipping (adaptive, from the noised count of clients within C) and noise
+    "client_dp": Federation(dp_clip=0.05, dp_noise_multiplier=0.5, dp_clip_quantile=0.5, seed=2),
 }
 
 
 def supports(name: str, protocol: str) -> bool:
+    if protocol == "client_dp":
+        return METHODS[name][0]().clips_updates  # clients that upload summed updates
     if protocol in ("secure", "dp"):
         return name != "OSFED"  # stacked snapshots: refused with a clear error (tested elsewhere)
     return name != "LocalOnly"  # no round to drop out of

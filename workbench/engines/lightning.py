@@ -10,6 +10,14 @@ One Lightning epoch is one communication round. A round, whatever the transport:
 4. the server combines them (sum or stack, `workbench.federation.codec`), unmasks only the sum,
    adds the privacy noise (`federation.dp_sigma`) and updates the model (`method.server_update`).
 
+With `federation.sample_rate` < 1 the cohort the server plans from is a seeded sample of the
+clients (`Federation.sampled_clients`). Under client-level DP (`federation.dp_clip`,
+`workbench.federation.privacy.ClientLevelDP`) the broadcast carries the clip norm, the clients
+clip, the server noises the clipped sum, and every round logs `privacy/epsilon` (the ε spent so
+far at `dp_delta`, from dp-accounting); a run whose final ε would exceed `target_epsilon` is
+refused before its first round. The current clip norm (adaptive clipping) is kept with the fit's
+running totals in checkpoints.
+
 After the last round every client receives `method.final_broadcast()` and does its local work
 (`ClientHalf.finish`). The engine counts every message's bytes at the dtype sent
 (`comm/bytes_up`: each surviving client's upload; `comm/bytes_down`: the broadcast to each client
@@ -41,9 +49,10 @@ from torchmetrics.classification import MulticlassAccuracy
 from workbench.engines import ddp
 from workbench.engines.local import LocalClients, Replies
 from workbench.federation import Federation, codec, messages_bytes
-from workbench.federation.privacy import add_gaussian_noise
+from workbench.federation.privacy import (ClientLevelDP, add_gaussian_noise, check_budget, clip_features,
+                                          gaussian_statistics_epsilon)
 from workbench.federation.protocol import NOISE_STREAM
-from workbench.federation.secure_aggregation import SecureAggregator, UploadLayout
+from workbench.federation.secure_aggregation import SecureAggregator, UploadLayout, secure_aggregator
 from workbench.methods.base import FederatedMethod, Problem
 from workbench.runlog import save_per_client_table
 
@@ -127,6 +136,19 @@ class LightningEngine(LightningModule):
         if protocol.dp_sigma > 0 and stacked:
             raise ValueError(f"federation.dp_sigma adds noise to summed statistics; {name} sends per-client "
                              f"uploads {stacked}: set federation.dp_sigma=0 for it")
+        if protocol.client_level_dp and not self.method.clips_updates:
+            raise ValueError(f"federation.dp_clip clips clients' summed updates, which {name} does not send: "
+                             "set federation.dp_clip=0 (analytic methods: dp_sigma with feature_clip)")
+        if protocol.client_level_dp and protocol.dp_sigma > 0:
+            raise ValueError("federation.dp_clip (client-level DP) and dp_sigma (noise on statistics) both noise "
+                             "the sum: set one of them to 0")
+        if getattr(self.method, "sample_fraction", 1.0) < 1 and protocol.sample_rate < 1:
+            raise ValueError(f"{name}'s sample_fraction and federation.sample_rate would both sample clients: set "
+                             "the model's sample_fraction=1 and sample with federation.sample_rate (the one the "
+                             "privacy accountant credits)")
+        if protocol.feature_clip > 0 and self.remote_clients is not None:
+            raise ValueError("federation.feature_clip clips the rows of in-process clients; with a remote "
+                             "transport, clip the features where the clients load them and set it to 0")
 
     def configure_optimizers(self):
         return None
@@ -146,6 +168,23 @@ class LightningEngine(LightningModule):
         self._fit_start = time.perf_counter() - float(restored.get("fit_s", 0.0))
         self._totals.pop("fit_s", None)
         self._restored_totals = None
+        self._setup_privacy(self._totals.pop("dp_clip_norm", None))
+
+    def _setup_privacy(self, clip_norm: float | None) -> None:
+        """Client-level DP's server side (its clip norm as checkpointed, if resumed), and the budget
+        check before any round: the ε the configured rounds would spend."""
+        method, protocol = self.method, self.federation
+        self.dp = ClientLevelDP(protocol, len(self.available)) if protocol.client_level_dp else None
+        if self.dp is not None:
+            self.dp.clip_norm = clip_norm if clip_norm is not None else self.dp.clip_norm
+            epsilon = self.dp.epsilon(method.num_rounds)
+        else:
+            epsilon = gaussian_statistics_epsilon(method, protocol, method.num_rounds)
+        if protocol.target_epsilon is not None and epsilon is None:
+            raise ValueError(f"federation.target_epsilon needs a stated sensitivity: {type(method).__name__}'s "
+                             "statistics have none under feature_clip (or feature_clip is 0)")
+        if epsilon is not None:
+            check_budget(epsilon, protocol, f"{type(method).__name__} over {method.num_rounds} rounds")
 
     def training_step(self, batch, batch_idx: int) -> None:
         """One round per epoch: the clients' data comes from the data module's training rows, not
@@ -162,27 +201,29 @@ class LightningEngine(LightningModule):
         method, protocol, totals = self.method, self.federation, self._totals
         round_index = method.round
         start = time.perf_counter()
-        plan = method.plan_round(self.available)
+        plan = method.plan_round(protocol.sampled_clients(round_index, self.available))
+        if self.dp is not None:  # the clip norm travels with the model
+            plan.broadcast = {**plan.broadcast, **self.dp.broadcast()}
         cohort = plan.clients.to(self.device)
         dropped = protocol.dropped_clients(round_index, method.num_clients).to(self.device)[cohort]
         survivors, lost = cohort[~dropped], cohort[dropped]
         if len(survivors) == 0:
             raise RuntimeError(f"every client dropped out of round {round_index} (federation.dropout = "
-                               f"{protocol.dropout}): lower the dropout")
-        secure = (SecureAggregator(cohort.tolist(), seed=protocol.seed, round_index=round_index,
-                                   fixed_point_bits=protocol.fixed_point_bits,
-                                   symmetric=codec.symmetric_names(method.uploads))
+                               f"{protocol.dropout}, sample_rate = {protocol.sample_rate}): lower the dropout "
+                               "or raise the sample rate")
+        secure = (secure_aggregator(protocol, cohort.tolist(), round_index, codec.symmetric_names(method.uploads))
                   if protocol.secure_aggregation else None)
         server_s = time.perf_counter() - start
         replies = self.clients.update(round_index, plan.broadcast, survivors, lost, secure)
         start = time.perf_counter()
-        uploads, replies, secure_s = self._aggregate(replies, secure, survivors)
+        uploads, replies, secure_s, privacy_metrics = self._aggregate(replies, secure, survivors)
         per_client_up = (8 * secure.layout.length if secure is not None
                          else method.upload_bytes_per_client(replies.one_client))
         if per_client_up is None:
             per_client_up = codec.upload_bytes(replies.one_client, method.uploads)
         check_finite_uploads(uploads, round_index, type(method).__name__, survivors)
-        server_metrics = method.server_update(uploads, len(survivors))
+        server_metrics = method.server_update(
+            uploads, len(survivors) if self.dp is None else self.dp.denominator(len(survivors)))
         method.rounds_done += 1
         if self.trainer.world_size > 1:  # every process holds rank 0's model
             ddp.broadcast_module_state(method)
@@ -193,22 +234,34 @@ class LightningEngine(LightningModule):
         totals["client_s"] += replies.client_s
         totals["server_s"] += server_s
         totals["secure_s"] += secure_s
+        if secure is not None:  # what the protocol cost: the clients' mask streams and shares, the server's streams
+            for name, value in secure.costs(survivors.tolist()).items():
+                totals[f"secagg_{name}"] = totals.get(f"secagg_{name}", 0) + value
+            self.fit_metrics.update({"comm/secagg_degree": float(secure.degree),
+                                     "comm/secagg_threshold": float(secure.threshold)})
         client_metrics = {}  # means over the round's clients; times summed over clients and rounds
         for name, value in replies.metric_sums.items():
             if name.startswith("time/"):
                 totals[name] = client_metrics[name] = totals.get(name, 0.0) + value
             else:
                 client_metrics[name] = value / len(survivors)
-        self.fit_metrics.update({**server_metrics, **client_metrics,
+        self.fit_metrics.update({**server_metrics, **client_metrics, **privacy_metrics,
                                  "comm/clients_in_round": float(len(survivors)),
                                  "comm/clients_dropped": float(len(lost))})
+        epsilon = (self.dp.epsilon(method.round) if self.dp is not None
+                   else gaussian_statistics_epsilon(method, protocol, method.round))
+        if epsilon is not None:
+            self.fit_metrics["privacy/epsilon"] = epsilon
+        if self.dp is not None:
+            totals["dp_clip_norm"] = self.dp.clip_norm
         self._set_totals()
         self._log_steps()
 
     def _aggregate(self, replies: Replies, secure: SecureAggregator | None,
-                   survivors: Tensor) -> tuple[dict[str, Tensor], Replies, float]:
+                   survivors: Tensor) -> tuple[dict[str, Tensor], Replies, float, dict[str, float]]:
         """The round's total as the server gets it: combined over clients (and processes),
-        unmasked under secure aggregation, with the server's noise under differential privacy."""
+        unmasked under secure aggregation, with the server's noise under differential privacy;
+        and client-level DP's metrics."""
         method, protocol, several = self.method, self.federation, self.trainer.world_size > 1
         strategy = self.trainer.strategy
         secure_s = 0.0
@@ -225,10 +278,13 @@ class LightningEngine(LightningModule):
             secure_s = time.perf_counter() - start
         else:
             uploads = replies.uploads
+        privacy_metrics = {}
         if protocol.dp_sigma > 0:
             uploads = add_gaussian_noise(uploads, protocol.dp_sigma, protocol.generator(method.round, NOISE_STREAM),
                                          symmetric=codec.symmetric_names(method.uploads))
-        return uploads, replies, secure_s
+        if self.dp is not None:
+            uploads, privacy_metrics = self.dp.privatize(uploads, protocol.generator(method.round, NOISE_STREAM))
+        return uploads, replies, secure_s, privacy_metrics
 
     def _finish(self) -> None:
         """The final broadcast to every client, and their local work on it."""
@@ -260,6 +316,10 @@ class LightningEngine(LightningModule):
         })
         if self.federation.secure_aggregation:  # masking (client time) and unmasking (server time)
             self.fit_metrics["time/secure_aggregation_s"] = totals["secure_s"]
+            self.fit_metrics.update({  # beside comm/bytes_up_per_client: totals over the fit / K
+                "comm/secagg_mask_streams_per_client": totals.get("secagg_mask_streams", 0) / method.num_clients,
+                "comm/secagg_share_bytes_per_client": totals.get("secagg_share_bytes", 0) / method.num_clients,
+                "comm/secagg_server_mask_streams": float(totals.get("secagg_server_mask_streams", 0))})
 
     @torch.no_grad()
     def _log_steps(self) -> None:
@@ -285,9 +345,15 @@ class LightningEngine(LightningModule):
         metric(logits.argmax(dim=1), labels)
         self.log(key, metric, on_step=False, on_epoch=True, add_dataloader_idx=False)
 
+    def _inputs(self, features: Tensor) -> Tensor:
+        """Evaluation inputs as the clients train on them: rows clipped to `feature_clip` (part of the
+        feature map), else unchanged."""
+        clip = self.federation.feature_clip
+        return clip_features(features, clip) if clip > 0 else features
+
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         if self.method.has_model and self.method.global_model:  # the model of the rounds done so far
-            logits = self.method.logits(batch["features"], cache_key=("val", batch_idx))
+            logits = self.method.logits(self._inputs(batch["features"]), cache_key=("val", batch_idx))
             self._evaluate(logits, batch["labels"], self.val_acc, "val/acc")
 
     def on_test_epoch_start(self) -> None:
@@ -301,17 +367,17 @@ class LightningEngine(LightningModule):
         self._metric_attributes = None  # Lightning finds the metrics it logs among the submodules
 
     def test_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
-        method = self.method
+        method, inputs = self.method, self._inputs(batch["features"])
         if "client_ids" not in batch:  # the global test split
             if method.global_model:
-                self._evaluate(method(batch["features"]), batch["labels"], self.test_acc, "test/acc")
-            for head, logits in method.head_logits(batch["features"]).items():
+                self._evaluate(method(inputs), batch["labels"], self.test_acc, "test/acc")
+            for head, logits in method.head_logits(inputs).items():
                 self._evaluate(logits, batch["labels"], self.head_acc[head], f"test/acc/{head}")
             return
         client_ids = batch["client_ids"]  # a client's local test split (personalized protocol)
         if self._scored_remotely():
             return
-        features, labels = batch["features"], batch["labels"]
+        features, labels = inputs, batch["labels"]
         if self.trainer.world_size > 1:  # each process scores the clients it serves; summed at the end
             mine = torch.isin(client_ids, self.clients.served)
             features, labels, client_ids = features[mine], labels[mine], client_ids[mine]

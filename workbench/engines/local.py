@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from workbench.federation import codec
+from workbench.federation.privacy import clip_features
 from workbench.federation.secure_aggregation import SecureAggregator
 from workbench.methods.base import ClientHalf, Cohort, FederatedMethod, check_upload_names
 
@@ -66,6 +67,9 @@ class LocalClients:
         self.method = method
         self.half: ClientHalf = method.client_half()
         self.half.setup_clients(served, len(labels))
+        clip = method.federation.feature_clip
+        if clip > 0:  # each client bounds its own rows, so the noise's sensitivity holds by construction
+            features = clip_features(features, clip)
         self.data = Cohort(features, labels, client_ids, served, torch.arange(len(labels)), batch_size)
         counts = torch.bincount(client_ids, minlength=method.num_clients)
         self.ends = torch.cumsum(counts, 0)

@@ -1,4 +1,4 @@
-"""Server-side Gaussian differential privacy on aggregated statistics.
+"""Differential privacy: Gaussian noise on aggregated statistics, and client-level DP for rounds of updates.
 
 The server adds noise to each statistic it aggregated before it solves:
 
@@ -13,22 +13,48 @@ Guarantee. The Gaussian mechanism with standard deviation σ on a statistic whos
 is Δ (the most one sample can move it, all released statistics together) is (ε, δ)-DP for the ε
 of `gaussian_epsilon`. For AFL's (XᵀX, XᵀY) with one-hot labels and every sample's features of
 norm ≤ B, adding or removing a sample moves XᵀX by xxᵀ (‖·‖_F ≤ B²) and XᵀY by x e_yᵀ (‖·‖ ≤ B),
-so Δ = √(B⁴ + B²) (`ridge_sensitivity`); B must hold by construction (e.g. normalized
-features), the runtime does not clip. It protects what the server releases (the model); the
+so Δ = √(B⁴ + B²) (`ridge_sensitivity`); B holds by construction with `federation.feature_clip`
+= B (each client clips its rows, `clip_rows`). It protects what the server releases (the model); the
 server itself is trusted with the sum, which secure aggregation keeps it from seeing per client.
 
 Indefiniteness. A noisy Gram matrix G + E may have negative eigenvalues: the smallest
 eigenvalue of a d × d symmetric Gaussian E is about −2σ√d. A ridge γ_out ≥ `safe_ridge(σ, d)`
 = σ(2√d + 8) keeps G + E + γ_out I positive definite for any G ⪰ 0, except with probability
 below 1e-6 (see `safe_ridge`).
+
+Client-level DP (DP-FedAvg: McMahan et al., ICLR 2018; adaptive clipping: Andrew et al.,
+NeurIPS 2021), for methods whose clients upload summed updates (`FederatedMethod.clips_updates`).
+Each round, with the cohort drawn by `Federation.sampled_clients` (rate q of the N clients):
+
+1. the server broadcasts the clip norm C (`CLIP_NORM`);
+2. each client clips its update, all its summed uploads as one vector u_i, to
+   u_i · min(1, C/‖u_i‖) (`clip_client_updates`) and, with it, uploads b_i = 1[‖u_i‖ ≤ C]
+   (`WITHIN_CLIP`): so clipping composes with secure aggregation, the server never sees a u_i;
+3. the server adds N(0, (zC)²) to every coordinate of the clipped sum and, under adaptive
+   clipping, N(0, σ_b²) to Σ b_i, and moves C ← C · exp(−η_C (b̃ − γ)), b̃ = noised Σ b_i / E[m]
+   (`ClientLevelDP.privatize`); with Poisson sampling the method averages by the fixed E[m] = qN.
+
+Removing one client changes the clipped sum by ≤ C and the count by ≤ 1, so a round releases
+Gaussian mechanisms of noise multipliers z and σ_b on the same data, together one Gaussian of
+multiplier (z⁻² + σ_b⁻²)^(−1/2). `dp-accounting`'s RDP accountant composes the rounds of that
+subsampled Gaussian: Poisson sampling under add/remove-one (full participation is rate 1);
+fixed-size sampling as sampling without replacement, which it accounts under replace-one, where
+the sum moves by ≤ 2C (so z/2).
 """
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from collections.abc import Collection, Mapping
 
 import torch
 from torch import Tensor
+
+from workbench.federation.protocol import Federation
+
+CLIP_NORM = "clip_norm"  # the broadcast C of client-level DP
+WITHIN_CLIP = "within_clip"  # the upload Σ b_i: clients whose update was within C
 
 
 def symmetric_gaussian(shape: tuple[int, ...], sigma: float, generator: torch.Generator,
@@ -102,9 +128,158 @@ def gaussian_epsilon(sigma: float, sensitivity: float, delta: float = 1e-5) -> f
     low, high = 0.0, 1.0
     while gaussian_delta(high, sigma, sensitivity) > delta:
         low, high = high, 2 * high
-        if high > 1e4:
+        if high > 700:  # e^ε overflows a float beyond ~709
             return math.inf
     for _ in range(100):
         middle = (low + high) / 2
         low, high = (middle, high) if gaussian_delta(middle, sigma, sensitivity) > delta else (low, middle)
     return high
+
+
+# ---- client-level DP -----------------------------------------------------------------------------
+def clip_rows(rows: Tensor, clip_norm: float) -> tuple[Tensor, Tensor]:
+    """Each row scaled to L2 norm ≤ C: (m, P) -> (m, P) rows · min(1, C/‖row‖), and (m,) bool ‖row‖ ≤ C."""
+    norms = rows.norm(dim=1, keepdim=True)
+    scale = (clip_norm / norms.clamp_min(torch.finfo(rows.dtype).tiny)).clamp(max=1)
+    return rows * scale, norms.squeeze(1) <= clip_norm
+
+
+def clip_features(features: Tensor, feature_norm: float) -> Tensor:
+    """Every sample (n, *input_shape) scaled to L2 norm ≤ B (`federation.feature_clip`), same shape."""
+    return clip_rows(features.reshape(len(features), -1), feature_norm)[0].reshape(features.shape)
+
+
+def clip_client_updates(updates: Mapping[str, Tensor], broadcast: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """The clients' updates {name: (m, ...)} clipped jointly (one vector per client) to the broadcast
+    C, and the extra upload {WITHIN_CLIP: Σ b_i}; unchanged and {} when the round broadcasts no C."""
+    if CLIP_NORM not in broadcast:
+        return dict(updates), {}
+    names = list(updates)
+    first = updates[names[0]]
+    rows = torch.cat([updates[name].reshape(len(first), -1) for name in names], 1)
+    clipped, within = clip_rows(rows, float(broadcast[CLIP_NORM]))
+    parts = clipped.split([updates[name][0].numel() for name in names], 1)
+    out = {name: part.reshape(updates[name].shape) for name, part in zip(names, parts)}
+    return out, {WITHIN_CLIP: within.sum().to(torch.float32)}
+
+
+def _accountant(relation: str):
+    """dp-accounting's RDP accountant under a neighbouring relation (a core dependency; the import
+    is deferred so that `workbench` starts without it)."""
+    try:
+        import dp_accounting
+        from dp_accounting.rdp import rdp_privacy_accountant
+    except ImportError as error:  # pragma: no cover - a broken install
+        raise ImportError("client-level DP accounting needs dp-accounting: pip install dp-accounting") from error
+    # Its RDP bound at fractional orders near 1 sometimes does not converge; it drops those orders
+    # and warns each round (the ε stays valid).
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    return dp_accounting, rdp_privacy_accountant.RdpAccountant(
+        neighboring_relation=getattr(dp_accounting.NeighboringRelation, relation))
+
+
+@functools.lru_cache(maxsize=1024)
+def subsampled_gaussian_epsilon(noise_multiplier: float, rounds: int, delta: float, population: int,
+                                cohort: int | None = None, sample_rate: float | None = None) -> float:
+    """ε at δ after `rounds` rounds of a Gaussian of `noise_multiplier` (std / add-remove sensitivity)
+    on a sampled cohort, by dp-accounting's RDP accountant: Poisson sampling at `sample_rate`, or a
+    fixed `cohort` of the `population` without replacement (replace-one: the multiplier halves).
+    inf without noise, 0 after no round."""
+    if rounds == 0:
+        return 0.0
+    if noise_multiplier <= 0:
+        return math.inf
+    if cohort is None:
+        dp, accountant = _accountant("ADD_OR_REMOVE_ONE")
+        event = dp.PoissonSampledDpEvent(sample_rate, dp.GaussianDpEvent(noise_multiplier))
+    else:
+        dp, accountant = _accountant("REPLACE_ONE")
+        event = dp.SampledWithoutReplacementDpEvent(population, cohort, dp.GaussianDpEvent(noise_multiplier / 2))
+    accountant.compose(event, rounds)
+    return float(accountant.get_epsilon(delta))
+
+
+def combined_noise_multiplier(*multipliers: float) -> float:
+    """Gaussian mechanisms of noise multipliers z_j on the same data are one of (Σ z_j⁻²)^(−1/2)."""
+    return sum(z ** -2 for z in multipliers) ** -0.5
+
+
+class ClientLevelDP:
+    """The server's side of client-level DP over a population of N clients (see the module docstring).
+
+    `clip_norm` is the current C (adaptive clipping moves it; the engine keeps it in checkpoints).
+    """
+
+    def __init__(self, protocol: Federation, population: int) -> None:
+        self.protocol, self.population = protocol, population
+        self.clip_norm = protocol.dp_clip
+        p = protocol
+        # a fixed cohort below everyone is accounted as sampling without replacement; everyone (q = 1)
+        # as Poisson sampling at rate 1, the plain Gaussian under add/remove-one
+        fixed = p.sampling == "fixed" and p.sample_rate < 1
+        self.cohort = max(1, round(p.sample_rate * population)) if fixed else None
+        self.expected_cohort = p.sample_rate * population if self.cohort is None else self.cohort
+        self.adaptive = p.dp_clip_quantile is not None
+        self.count_stddev = ((p.dp_count_stddev or self.expected_cohort / 20) if self.adaptive else math.inf)
+
+    @property
+    def noise_multiplier(self) -> float:
+        """The multiplier the accountant sees: the update's z with the count's σ_b folded in."""
+        z = self.protocol.dp_noise_multiplier
+        if z == 0:
+            return 0.0
+        if not self.adaptive:
+            return z
+        count = self.count_stddev if self.cohort is None else 2 * self.count_stddev  # × 2: halved for replace-one
+        return combined_noise_multiplier(z, count)
+
+    def epsilon(self, rounds: int) -> float:
+        """ε at the protocol's δ after `rounds` rounds."""
+        p = self.protocol
+        return subsampled_gaussian_epsilon(self.noise_multiplier, rounds, p.dp_delta, self.population,
+                                           cohort=self.cohort, sample_rate=None if self.cohort else p.sample_rate)
+
+    def broadcast(self) -> dict[str, Tensor]:
+        return {CLIP_NORM: torch.tensor(self.clip_norm, dtype=torch.float64)}
+
+    def denominator(self, survivors: int) -> float:
+        """What the method averages by: E[m] = qN under Poisson sampling (the cohort's size is itself
+        private), else the clients that uploaded."""
+        return self.expected_cohort if self.protocol.sample_rate < 1 and self.cohort is None else survivors
+
+    def privatize(self, uploads: Mapping[str, Tensor], generator: torch.Generator) -> tuple[dict[str, Tensor], dict[str, float]]:
+        """The clipped sum with N(0, (zC)²) noise (without `WITHIN_CLIP`), and this round's metrics;
+        moves C under adaptive clipping."""
+        uploads = dict(uploads)
+        within = float(uploads.pop(WITHIN_CLIP, torch.zeros(())))
+        p, clip = self.protocol, self.clip_norm
+        noisy = add_gaussian_noise(uploads, p.dp_noise_multiplier * clip, generator) if p.dp_noise_multiplier else uploads
+        metrics = {"privacy/clip_norm": clip}
+        if self.adaptive:
+            within += float(torch.randn((), generator=generator, dtype=torch.float64)) * self.count_stddev
+            fraction = within / self.expected_cohort
+            self.clip_norm = clip * math.exp(-p.dp_clip_lr * (fraction - p.dp_clip_quantile))
+            metrics["privacy/within_clip_fraction"] = fraction
+        return noisy, metrics
+
+
+def check_budget(epsilon: float, protocol: Federation, what: str) -> None:
+    """Refuses a run whose ε after its last round exceeds `target_epsilon`, naming the fix."""
+    if protocol.target_epsilon is not None and epsilon > protocol.target_epsilon:
+        raise ValueError(f"{what} would spend ε = {epsilon:.3g} at δ = {protocol.dp_delta:g}, over the budget "
+                         f"federation.target_epsilon = {protocol.target_epsilon:g}: raise the noise "
+                         "(dp_noise_multiplier / dp_sigma), lower sample_rate or the rounds, or raise the budget")
+
+
+def gaussian_statistics_epsilon(method, protocol: Federation, rounds: int) -> float | None:
+    """ε at δ of `rounds` releases of statistics noised with `dp_sigma` under `feature_clip` B, each of
+    the method's stated sensitivity Δ(B) (`FederatedMethod.statistics_sensitivity`); None where no
+    such guarantee is configured or stated. T Gaussian mechanisms of multiplier σ/Δ compose exactly
+    into one of multiplier σ/(Δ√T) (Gaussian DP; dp-accounting's PLD accountant agrees, tested);
+    cohort sampling would only lower it."""
+    if protocol.dp_sigma == 0 or protocol.feature_clip == 0 or rounds == 0:
+        return None if protocol.dp_sigma == 0 or protocol.feature_clip == 0 else 0.0
+    sensitivity = method.statistics_sensitivity(protocol.feature_clip)
+    if sensitivity is None:
+        return None
+    return gaussian_epsilon(protocol.dp_sigma / math.sqrt(rounds), sensitivity, protocol.dp_delta)

@@ -10,9 +10,20 @@ applies to every method, and the runtime (`workbench.methods.base`) enforces it 
 - `secure_aggregation`: each client masks its own upload with pairwise additive masks in a
   fixed-point integer ring (`workbench.federation.secure_aggregation`); the server only holds
   masked uploads and their exact sum. Dropped clients' masks are removed Bonawitz-style.
+  `secure_aggregation_graph: sparse` runs SecAgg+ instead (Bell et al. 2020): masks along a
+  random graph of degree k = O(log n), self-masks, and dropout recovery from t-of-k Shamir shares.
 - `dp_sigma`: the server adds Gaussian noise N(0, σ²) to every aggregated statistic before it
   solves (symmetric noise for symmetric uploads such as Gram matrices,
-  `workbench.federation.privacy`).
+  `workbench.federation.privacy`); `feature_clip` B makes each client clip its feature rows to
+  norm ≤ B first, so the statistics' sensitivity holds by construction.
+- `sample_rate`, `sampling`: each round's cohort, seeded by (seed, round): `fixed` takes
+  max(1, round(q·K)) of the K clients with data uniformly without replacement, `poisson` takes
+  each client independently with probability q.
+- `dp_clip`, `dp_noise_multiplier` (client-level DP for gradient methods, DP-FedAvg): each
+  sampled client clips its update to norm ≤ C (`dp_clip_quantile` moves C each round towards
+  that quantile of the update norms, Andrew et al. 2021); the server adds N(0, (zC)²) to the sum.
+  `privacy/epsilon` at `dp_delta` is computed by `dp-accounting`; `target_epsilon` refuses a
+  run that would spend more before its first round.
 
 In a config, a top-level section:
 
@@ -20,11 +31,17 @@ In a config, a top-level section:
       dropout: 0.2
       secure_aggregation: true
       dp_sigma: 0.0
+      sample_rate: 0.1          # cohort sampling
+      sampling: poisson
+      dp_clip: 1.0              # client-level DP
+      dp_noise_multiplier: 1.0
+      target_epsilon: 8.0
       seed: 0
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -32,7 +49,7 @@ from torch import Tensor
 
 # Independent random streams of one round, derived from (seed, round, stream). The pairwise masks
 # of secure aggregation derive theirs from (seed, round, client pair).
-DROPOUT_STREAM, NOISE_STREAM = 0, 1
+DROPOUT_STREAM, NOISE_STREAM, SAMPLING_STREAM = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -45,15 +62,53 @@ class Federation:
         fixed_point_bits: fractional bits of the fixed-point encoding used by secure
             aggregation (a value x is sent as round(x · 2^bits)); the encoding error is at most
             2^-(bits+1) per number and client.
+        secure_aggregation_graph: `complete` (all-pairs masks: n − 1 mask streams per client) or
+            `sparse` (SecAgg+: k + 1 streams and 2k Shamir shares per client).
+        secagg_degree: SecAgg+'s k, an even number ≥ 2 (None: chosen per round for its n
+            clients, `workbench.federation.secure_aggregation.secagg_plus_parameters`).
+        secagg_threshold: SecAgg+'s t, the shares that reconstruct a secret, ≤ k (None: chosen
+            with k).
+        secagg_corrupt_fraction: γ, the fraction of clients that may collude with the server,
+            which the choice of k and t protects against (with `dropout` as the dropout rate).
         dp_sigma: standard deviation σ ≥ 0 of the Gaussian noise the server adds to each
             aggregated statistic (0 = none).
+        feature_clip: B > 0: each client scales every feature row to norm ≤ B before it computes
+            anything (0 = off), so one sample's effect on statistics is bounded by construction.
+        sample_rate: q in (0, 1], the share of the clients with data asked each round.
+        sampling: `fixed` (max(1, round(q·K)) clients without replacement) or `poisson` (each
+            client independently with probability q; the DP-FedAvg accounting's assumption).
+        dp_clip: C > 0: client-level DP — every client clips its update to L2 norm ≤ C (the
+            initial C under adaptive clipping); 0 = off.
+        dp_noise_multiplier: z: the server adds N(0, (zC)²) to each coordinate of the clipped sum.
+        dp_clip_quantile: γ in (0, 1) for adaptive clipping (C moves towards the γ-quantile of
+            the update norms), None for a fixed C.
+        dp_clip_lr: η_C, the geometric step of adaptive clipping: C ← C·exp(−η_C (b̃ − γ)).
+        dp_count_stddev: σ_b, the noise on the count of unclipped clients (adaptive clipping);
+            None: the expected cohort / 20, as Andrew et al. recommend.
+        dp_delta: δ at which `privacy/epsilon` is reported.
+        target_epsilon: a budget: a run whose ε after its last round would exceed it is refused
+            before its first round (None = no budget).
         seed: seed of the dropouts, the pairwise masks and the noise (each round draws anew).
     """
 
     dropout: float = 0.0
     secure_aggregation: bool = False
     fixed_point_bits: int = 32
+    secure_aggregation_graph: Literal["complete", "sparse"] = "complete"
+    secagg_degree: int | None = None
+    secagg_threshold: int | None = None
+    secagg_corrupt_fraction: float = 0.05
     dp_sigma: float = 0.0
+    feature_clip: float = 0.0
+    sample_rate: float = 1.0
+    sampling: Literal["fixed", "poisson"] = "fixed"
+    dp_clip: float = 0.0
+    dp_noise_multiplier: float = 0.0
+    dp_clip_quantile: float | None = None
+    dp_clip_lr: float = 0.2
+    dp_count_stddev: float | None = None
+    dp_delta: float = 1e-5
+    target_epsilon: float | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -64,8 +119,76 @@ class Federation:
         if not 0 <= self.fixed_point_bits <= 52:
             raise ValueError(f"federation.fixed_point_bits must be in 0..52 (float64 has 52 fraction bits), "
                              f"got {self.fixed_point_bits}")
+        self._check_secure_aggregation()
+        self._check_privacy()
         if not 0 <= self.seed < 2 ** 63:
             raise ValueError(f"federation.seed must be an integer in [0, 2⁶³), got {self.seed}")
+
+    def _check_secure_aggregation(self) -> None:
+        if self.secure_aggregation_graph not in ("complete", "sparse"):
+            raise ValueError(f"federation.secure_aggregation_graph must be complete or sparse (SecAgg+), "
+                             f"got {self.secure_aggregation_graph!r}")
+        sparse_only = [name for name in ("secagg_degree", "secagg_threshold") if getattr(self, name) is not None]
+        if self.secure_aggregation_graph == "sparse" and not self.secure_aggregation:
+            raise ValueError("federation.secure_aggregation_graph=sparse configures secure aggregation: set "
+                             "federation.secure_aggregation=true too")
+        if sparse_only and self.secure_aggregation_graph != "sparse":
+            raise ValueError(f"federation.{sparse_only[0]} configures SecAgg+: set "
+                             "federation.secure_aggregation_graph=sparse, or drop it")
+        if self.secagg_degree is not None and not (self.secagg_degree >= 2 and self.secagg_degree % 2 == 0):
+            raise ValueError(f"federation.secagg_degree must be an even number ≥ 2 (k/2 neighbours on each side "
+                             f"of the random ring), got {self.secagg_degree}: use {max(2, self.secagg_degree + 1)}")
+        if self.secagg_threshold is not None and not self.secagg_threshold >= 1:
+            raise ValueError(f"federation.secagg_threshold must be ≥ 1 (shares per secret), got {self.secagg_threshold}")
+        if None not in (self.secagg_degree, self.secagg_threshold) and self.secagg_threshold > self.secagg_degree:
+            raise ValueError(f"federation.secagg_threshold = {self.secagg_threshold} exceeds secagg_degree = "
+                             f"{self.secagg_degree}, the shares each secret has: lower the threshold or raise "
+                             "the degree")
+        if not 0 <= self.secagg_corrupt_fraction < 0.5:
+            raise ValueError(f"federation.secagg_corrupt_fraction must be in [0, 0.5) (a fraction of the clients), "
+                             f"got {self.secagg_corrupt_fraction}")
+
+    def _check_privacy(self) -> None:
+        if not 0 < self.sample_rate <= 1:
+            raise ValueError(f"federation.sample_rate must be in (0, 1] (the share of clients per round), "
+                             f"got {self.sample_rate}")
+        if self.sampling not in ("fixed", "poisson"):
+            raise ValueError(f"federation.sampling must be fixed or poisson, got {self.sampling!r}")
+        for name in ("feature_clip", "dp_clip", "dp_noise_multiplier", "dp_clip_lr"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"federation.{name} must be ≥ 0, got {getattr(self, name)}")
+        if self.dp_noise_multiplier > 0 and self.dp_clip == 0:
+            raise ValueError("federation.dp_noise_multiplier needs a clip norm: set federation.dp_clip > 0 "
+                             "(the noise's scale is z·dp_clip)")
+        if self.dp_clip_quantile is not None and not (0 < self.dp_clip_quantile < 1 and self.dp_clip > 0):
+            raise ValueError(f"federation.dp_clip_quantile must be in (0, 1) with dp_clip > 0 (the initial clip "
+                             f"norm), got {self.dp_clip_quantile} and dp_clip = {self.dp_clip}")
+        if self.dp_count_stddev is not None and not self.dp_count_stddev > 0:
+            raise ValueError(f"federation.dp_count_stddev must be > 0, got {self.dp_count_stddev}")
+        if not 0 < self.dp_delta < 1:
+            raise ValueError(f"federation.dp_delta must be in (0, 1), got {self.dp_delta}")
+        if self.target_epsilon is not None and not (self.target_epsilon > 0 and (self.dp_sigma > 0 or self.dp_clip > 0)):
+            raise ValueError(f"federation.target_epsilon = {self.target_epsilon} needs a noised protocol and a "
+                             "positive budget: set dp_clip and dp_noise_multiplier (gradient methods) or "
+                             "dp_sigma and feature_clip (analytic methods)")
+
+    @property
+    def client_level_dp(self) -> bool:
+        """Clients clip their updates (DP-FedAvg); noise is added when dp_noise_multiplier > 0."""
+        return self.dp_clip > 0
+
+    def sampled_clients(self, round_index: int, available: Tensor) -> Tensor:
+        """(m,) sorted ids of round `round_index`'s cohort among `available` (sorted ids), seeded
+        by (seed, round) so every process draws the same."""
+        if self.sample_rate == 1:
+            return available
+        generator = self.generator(round_index, SAMPLING_STREAM)
+        if self.sampling == "poisson":
+            chosen = torch.rand(len(available), generator=generator) < self.sample_rate
+            return available[chosen.to(available.device)]
+        m = max(1, round(self.sample_rate * len(available)))
+        order = torch.randperm(len(available), generator=generator)[:m]
+        return available[order.sort().values.to(available.device)]
 
     def generator(self, round_index: int, stream: int) -> torch.Generator:
         """The CPU generator of one random stream of one round: the same on every process."""

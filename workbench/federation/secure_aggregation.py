@@ -1,12 +1,22 @@
-"""Secure aggregation: pairwise additive masks, so the server holds only masked uploads and their sum.
+"""Secure aggregation: additive masks, so the server holds only masked uploads and their sum.
 
-The arithmetic of Bonawitz et al. (CCS 2017), simulated in one process per federation:
+Two protocols share one ring and one encoding (`federation.secure_aggregation_graph`):
+
+- `complete` (the default): all-pairs masks, the arithmetic of Bonawitz et al. (CCS 2017), with
+  pair seeds derived from the federation seed; no secret sharing is simulated. Each client draws
+  n − 1 mask streams, so a round costs O(n²) streams.
+- `sparse`: SecAgg+ (Bell et al., CCS 2020): masks only along a seeded random k-regular graph
+  with k = O(log n), self-masks, and dropout recovery from t-of-k Shamir shares
+  (`workbench.federation.shamir`) that the server actually reconstructs. Each client draws
+  k + 1 streams and deals 2k shares.
 
 Ring. Uploads are summed in the integer ring Z / 2^62, held in int64 tensors and reduced
 (`& (2^62 − 1)`) after every addition or subtraction. Two ring elements add to less than 2^63,
 so no operation overflows int64 (signed overflow is not defined behaviour to rely on), and mask
 cancellation is exact integer arithmetic. Float masks could not do this: a mask large enough to
-hide a value swamps that value's low bits, and the cancellation is only approximate.
+hide a value swamps that value's low bits, and the cancellation is only approximate. Masks are
+accumulated as uint64 (wrapping mod 2^64 is defined for unsigned numbers) and reduced once:
+2^62 divides 2^64, so `& (2^62 − 1)` of a sum mod 2^64 is the sum mod 2^62.
 
 Encoding. A float upload x is sent as the integer round(x · 2^b) (b = `fixed_point_bits`),
 negative values wrapping to the upper half of the ring; integer uploads (counts) are sent as
@@ -14,34 +24,71 @@ they are. The sum of K encoded uploads decodes exactly as long as |Σ| < 2^61, w
 checks on its own share: |round(x · 2^b)| < 2^61 / K. The only error of the whole scheme is then
 the rounding, at most 2^-(b+1) per number and client (1.2e-10 for b = 32).
 
-Masks. Each pair of participants {i, j} shares a seed s_ij (in the protocol, from a
-Diffie-Hellman key agreement; here derived from (federation seed, round, i, j)), which expands
-into a stream PRG(s_ij) of uniform ring elements as long as the upload. Client i sends
+PRG. A seed expands into a stream of uniform ring elements as long as the upload: the low 62 bits
+of numpy's SFC64, its state set directly from the seed (hashed by BLAKE2b), the same on every
+machine and process. Not a cryptographic PRG (AES-CTR in a deployment): the simulation is exact in
+what it computes, not secure against someone who knows the federation seed.
 
-    y_i = enc(x_i) + Σ_{j ∈ U, j > i} PRG(s_ij) − Σ_{j ∈ U, j < i} PRG(s_ij)   (mod 2^62),
+All pairs (`complete`). Each pair {i, j} of the round's participants U shares a seed s_ij
+(derived from (federation seed, round, i, j)). Client i sends
 
-U being the round's participants. Any single y_i is uniform on the ring whatever x_i is. Over
-the survivors S ⊆ U, the masks of pairs inside S cancel exactly, and the server removes the masks
-each survivor shares with a dropped client j ∈ U ∖ S using those pairs' seeds (in the protocol
-the server reconstructs j's key from t-of-n Shamir shares held by the survivors):
+    y_i = enc(x_i) + Σ_{j ∈ U, j > i} PRG(s_ij) − Σ_{j ∈ U, j < i} PRG(s_ij)   (mod 2^62).
+
+Any single y_i is uniform on the ring whatever x_i is. Over the survivors S ⊆ U the masks of pairs
+inside S cancel, and the server removes the masks each survivor shares with a dropped client:
 
     Σ_{i∈S} enc(x_i) = Σ_{i∈S} y_i − Σ_{i∈S, j∉S} sign(j − i) · PRG(s_ij).
 
-Not simulated here: the key agreement, the secret sharing, the survivors' self-masks (which
-stop a server from unmasking a client that was only late) and authentication. What is exact is
-what a method sees: the sum of the survivors' uploads.
+SecAgg+ (`sparse`), per round with the n participants:
+1. Graph. A Harary graph H(k, n) over a random order of U seeded by (seed, round): each client is
+   linked to the k/2 clients before and after it on that ring (k even; all others if k ≥ n − 1).
+   N(i) are its k neighbours; a client's neighbour set is a uniform k-subset of the others.
+2. Keys. Client i draws a key sk_i and a self-mask seed b_i in F_p (p = 2^127 − 1) from its own
+   randomness and advertises pk_i; neighbours agree on s_ij = sk_i · pk_j = sk_j · pk_i. The key
+   agreement has Diffie–Hellman's algebra in the additive group of F_p (pk = sk · 3): insecure by
+   design, it stands in for elliptic-curve DH; what is exact is which secret unlocks which mask.
+3. Shares. Client i deals t-of-k Shamir shares of sk_i and of b_i, one of each to every neighbour.
+4. Upload. y_i = enc(x_i) + PRG(b_i) + Σ_{j∈N(i), j>i} PRG(s_ij) − Σ_{j∈N(i), j<i} PRG(s_ij).
+5. Unmask. Each survivor v reveals, for each neighbour u, the share of b_u if u uploaded, else the
+   share of sk_u (never both for one peer). From ≥ t shares the server reconstructs b_i for every
+   survivor and sk_j for every dropped client with a surviving neighbour, recomputes
+   s_ij = sk_j · pk_i for j's surviving neighbours i, and removes PRG(b_i) and ±PRG(s_ij):
+       Σ_{i∈S} enc(x_i) = Σ_{i∈S} y_i − Σ_{i∈S} PRG(b_i) − Σ_{i∈S, j∈N(i)∖S} sign(j − i) · PRG(s_ij).
+   Fewer than t shares of a secret the server needs is an error naming the fix.
 
-Cost: each client draws |U| − 1 mask streams as long as its upload; the server draws one per
-(survivor, dropped) pair. Symmetric uploads are masked as their upper triangle.
+Choosing k and t (`secagg_plus_parameters`, when `secagg_degree` / `secagg_threshold` are not set),
+following the paper's conditions with statistical security σ = 40 bits and correctness η = 30
+bits: each client is independently corrupt (colluding with the server) with probability γ
+(`federation.secagg_corrupt_fraction`) and drops out with probability δ (`federation.dropout`);
+with a union bound over the n clients, the smallest even k such that, with
+t = max(⌊k/2⌋ + 1, the smallest t with n · P[Bin(k, γ) ≥ t] ≤ 2^-σ),
+    - no client's secrets are reachable by its corrupt neighbours: as above, by the choice of t;
+      the majority t also stops a server from collecting sk-shares from some neighbours and
+      b-shares from others;
+    - the honest survivors stay connected: a Harary ring falls apart only across runs of k/2
+      consecutive corrupt or dropped clients (two of them); asking for none, n · (γ + δ)^{k/2} ≤ 2^-σ;
+    - every secret the server needs has t surviving holders: n · P[Bin(k, δ) > k − t] ≤ 2^-η.
+For γ = δ = 0.05 this gives (k, t) = (32, 18) at n = 100, (36, 19) at n = 1,000 (k ≈ 3.6 log₂ n),
+(38, 21) at n = 10,000 and (40, 22) at n = 100,000. Where no k < n − 1 meets the bounds (small n)
+every client neighbours all others (k = n − 1), with the security t above where it exists, else a
+majority t = ⌊k/2⌋ + 1.
+
+Cost per client and round: `complete`, n − 1 mask streams; `sparse`, k + 1 streams, 2k shares dealt
+and k revealed (16 bytes each). The server draws one stream per (survivor, dropped neighbour) pair,
+plus one per survivor under `sparse`. Symmetric uploads are masked as their upper triangle.
 """
 from __future__ import annotations
 
+import hashlib
+import math
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from workbench.federation import shamir
 
 RING_BITS = 62
 RING_MASK = (1 << RING_BITS) - 1
@@ -98,25 +145,95 @@ def decode(elements: Tensor, fractional_bits: int, dtype: torch.dtype) -> Tensor
     return signed.to(dtype)
 
 
-def pair_mask(seed: int, round_index: int, first: int, second: int, length: int) -> Tensor:
-    """PRG(s_ij): `length` uniform ring elements from the seed the pair {first, second} shares.
+# Domain tags of the PRG's seeds: one seed never expands into two masks of different roles.
+PAIR_TAG, SPARSE_PAIR_TAG, SELF_TAG = 0, 1, 2
+# Streams of the simulation's own randomness per round: the graph's order, each client's secrets.
+GRAPH_STREAM, SECRETS_STREAM = 10, 11
+GENERATOR = 3  # the key agreement's pk = sk · GENERATOR (mod p)
+COUNTER_ONE = (1).to_bytes(8, "little")
 
-    The seed depends on the unordered pair, so both clients draw the same stream.
+
+class MaskStreams:
+    """Expands seeds into mask streams and counts them (`drawn`).
+
+    One SFC64 whose state is set from each seed: numpy's SeedSequence would cost more than drawing
+    a short stream. A seed is a tuple of integers in [0, 2^128); BLAKE2b of their bytes gives
+    SFC64's three state words.
     """
-    low, high = sorted((first, second))
-    bits = np.random.SFC64(np.random.SeedSequence([seed, round_index, low, high])).random_raw(length)
-    return torch.from_numpy((bits >> np.uint64(64 - RING_BITS)).astype(np.int64))
+
+    def __init__(self) -> None:
+        self.generator = np.random.SFC64(0)
+        self.drawn = 0
+
+    def draw(self, seed: tuple[int, ...], length: int) -> np.ndarray:
+        """`length` uint64 words of the stream of `seed`; their low 62 bits are ring elements."""
+        digest = hashlib.blake2b(b"".join(part.to_bytes(16, "little") for part in seed), digest_size=24).digest()
+        state = np.frombuffer(digest + COUNTER_ONE, dtype=np.uint64)  # SFC64's (a, b, c, counter = 1)
+        self.generator.state = {"bit_generator": "SFC64", "has_uint32": 0, "uinteger": 0, "state": {"state": state}}
+        self.drawn += 1
+        return self.generator.random_raw(length)
+
+    def signed_sum(self, seeds: Iterable[tuple[tuple[int, ...], int]], length: int) -> Tensor:
+        """Σ sign · PRG(seed) over (seed, sign ±1) pairs, as ring elements: (length,) int64."""
+        total = np.zeros(length, dtype=np.uint64)
+        for seed, sign in seeds:
+            (np.add if sign > 0 else np.subtract)(total, self.draw(seed, length), out=total)  # mod 2^64
+        return torch.from_numpy((total & np.uint64(RING_MASK)).astype(np.int64))
 
 
-def client_mask(client: int, others: Iterable[int], seed: int, round_index: int, length: int) -> Tensor:
-    """Σ_{j > i} PRG(s_ij) − Σ_{j < i} PRG(s_ij) over `others` (mod 2^62) for client i = `client`: (length,)."""
-    mask = torch.zeros(length, dtype=torch.int64)
-    for other in others:
-        if other == client:
-            continue
-        stream = pair_mask(seed, round_index, client, other, length)
-        mask = ring_add(mask, stream) if other > client else ring_sub(mask, stream)
-    return mask
+def harary_neighbours(participants: list[int], degree: int, seed: int, round_index: int) -> dict[int, list[int]]:
+    """The round's graph: each client's sorted neighbours in the Harary graph H(degree, n) over a
+    random order of `participants` seeded by (seed, round); every other client if degree ≥ n − 1.
+
+    `degree` is even: on the random ring each client links to the degree/2 clients on each side.
+    """
+    n = len(participants)
+    if degree >= n - 1:
+        return {u: [v for v in participants if v != u] for u in participants}
+    order = np.random.default_rng([seed, round_index, GRAPH_STREAM]).permutation(np.asarray(participants))
+    half = degree // 2
+    offsets = np.concatenate([np.arange(1, half + 1), -np.arange(1, half + 1)])
+    linked = np.sort(order[(np.arange(n)[:, None] + offsets) % n], axis=1)  # (n, degree)
+    return {int(u): row.tolist() for u, row in zip(order, linked)}
+
+
+def binomial_tail(trials: int, probability: float, at_least: int) -> float:
+    """P[Bin(trials, probability) ≥ at_least], summed exactly term by term."""
+    if at_least <= 0:
+        return 1.0
+    return sum(math.comb(trials, m) * probability ** m * (1 - probability) ** (trials - m)
+               for m in range(at_least, trials + 1))
+
+
+def security_threshold(degree: int, num_participants: int, corrupt_fraction: float,
+                       security_bits: int = 40) -> int:
+    """SecAgg+'s t for k = `degree`: the smallest majority (> k/2) that a client's corrupt neighbours
+    reach with probability ≤ 2^-σ / n; a bare majority ⌊k/2⌋ + 1 where no t ≤ k does (k = 0: 0)."""
+    if degree == 0:
+        return 0
+    for t in range(degree // 2 + 1, degree + 1):
+        if num_participants * binomial_tail(degree, corrupt_fraction, t) <= 2.0 ** -security_bits:
+            return t
+    return degree // 2 + 1
+
+
+def secagg_plus_parameters(num_participants: int, dropout: float, corrupt_fraction: float,
+                           security_bits: int = 40, correctness_bits: int = 30) -> tuple[int, int]:
+    """(k, t) for SecAgg+ among n participants: the rule of this module's docstring.
+
+    The smallest even k < n − 1 whose t meets the security bounds (2^-σ) and the correctness
+    bound (2^-η) under independent corruption (γ) and dropout (δ); else k = n − 1.
+    """
+    n = num_participants
+    security, correctness = 2.0 ** -security_bits, 2.0 ** -correctness_bits
+    for k in range(2, n - 1, 2):
+        t = security_threshold(k, n, corrupt_fraction, security_bits)
+        if (n * binomial_tail(k, corrupt_fraction, t) <= security
+                and n * (corrupt_fraction + dropout) ** (k // 2) <= security
+                and n * binomial_tail(k, dropout, k - t + 1) <= correctness):
+            return k, t
+    k = max(n - 1, 0)  # every client neighbours all others
+    return k, security_threshold(k, n, corrupt_fraction, security_bits)
 
 
 @dataclass(frozen=True)
@@ -173,26 +290,71 @@ class UploadLayout:
 class SecureAggregator:
     """One round of masked summation over the participants U.
 
-    A client calls `masked_upload` (encode, then mask with every other participant); the server
-    adds what it receives with `receive` (ring sums only) and, once the round closes, `unmask`
-    removes the masks shared with clients that never uploaded and decodes the exact sum. Several
-    aggregators (one per process) may each receive part of the clients: their `total`s are
-    summed with `ring_sum` before `unmask`.
+    A client calls `masked_upload` (encode, then mask); the server adds what it receives with
+    `receive` (ring sums only) and, once the round closes, `unmask` removes the masks that did not
+    cancel and decodes the exact sum of the survivors' uploads. Several aggregators (one per
+    process, or one per ClientApp) built with the same arguments agree on every seed, graph and
+    share; their `total`s are summed with `ring_sum` before `unmask`.
 
     Args:
         participants: U, the client ids of the round (those selected before any dropout).
-        seed, round_index: what the pair seeds are derived from.
+        seed, round_index: what the pair seeds, the graph and the clients' secrets derive from.
         fixed_point_bits: b of the encoding round(x · 2^b).
         symmetric: upload names sent as their upper triangle.
+        graph: "complete" (all-pairs masks) or "sparse" (SecAgg+).
+        degree, threshold: SecAgg+'s k and t (`sparse` only); k ≥ n − 1 links every pair.
     """
 
     def __init__(self, participants: Iterable[int], *, seed: int, round_index: int,
-                 fixed_point_bits: int = 32, symmetric: Collection[str] = ()) -> None:
+                 fixed_point_bits: int = 32, symmetric: Collection[str] = (), graph: str = "complete",
+                 degree: int | None = None, threshold: int | None = None) -> None:
         self.participants = sorted({int(c) for c in participants})
         self.seed, self.round_index, self.fixed_point_bits = seed, round_index, fixed_point_bits
         self.symmetric = frozenset(symmetric)
+        self.graph = graph
         self.layout: UploadLayout | None = None
         self.total: Tensor | None = None  # ring sum of the masked uploads received here
+        self.streams = MaskStreams()
+        n = len(self.participants)
+        if graph == "complete":
+            self.degree, self.threshold = n - 1, 0
+            self.neighbours = None
+        elif graph == "sparse":
+            if degree is None or threshold is None:
+                raise ValueError("a sparse (SecAgg+) round needs its degree and threshold "
+                                 "(secure_aggregator() chooses them from the Federation)")
+            if n < 2:
+                raise ValueError(f"round {round_index}: SecAgg+ needs at least 2 clients in a round, got {n}: "
+                                 "use federation.secure_aggregation_graph=complete")
+            self.degree = min(degree, n - 1)  # n − 1: every client neighbours all others
+            if self.degree < n - 1 and self.degree % 2:
+                raise ValueError(f"SecAgg+'s degree must be even (k/2 neighbours on each side), got {degree}")
+            if not 1 <= threshold <= self.degree:
+                raise ValueError(
+                    f"round {round_index}: a threshold of {threshold} shares cannot be met with {self.degree} "
+                    f"neighbours among {n} clients: set federation.secagg_threshold to at most {self.degree} "
+                    "(or raise federation.secagg_degree)")
+            self.threshold = threshold
+            self.neighbours = harary_neighbours(self.participants, self.degree, seed, round_index)
+            self._secrets: dict[int, tuple[int, int, list[int], list[int]]] = {}
+            self._public_keys: dict[int, int] = {}
+        else:
+            raise ValueError(f"secure aggregation graph {graph!r}: use 'complete' or 'sparse'")
+
+    def settings(self) -> dict:
+        """What a remote client needs to build the same aggregator (plain JSON values)."""
+        return {"participants": self.participants, "seed": self.seed, "bits": self.fixed_point_bits,
+                "symmetric": sorted(self.symmetric), "graph": self.graph,
+                "degree": self.degree, "threshold": self.threshold}
+
+    @classmethod
+    def from_settings(cls, settings: Mapping, round_index: int) -> SecureAggregator:
+        """The aggregator `settings()` describes (settings without a graph: the all-pairs scheme)."""
+        graph = settings.get("graph", "complete")
+        return cls(settings["participants"], seed=settings["seed"], round_index=round_index,
+                   fixed_point_bits=settings["bits"], symmetric=settings["symmetric"], graph=graph,
+                   degree=settings.get("degree") if graph == "sparse" else None,
+                   threshold=settings.get("threshold") if graph == "sparse" else None)
 
     def set_layout(self, uploads: Mapping[str, Tensor]) -> UploadLayout:
         """Fix the message layout from one upload (its names, shapes and dtypes; values unused)."""
@@ -206,15 +368,68 @@ class SecureAggregator:
         """Bytes of one masked message: 8 per ring element (int64)."""
         return 8 * self.layout.length if self.layout is not None else 0
 
+    # ---- a client's side ----------------------------------------------------------------------
+    def _client_secrets(self, client: int) -> tuple[int, int, list[int], list[int]]:
+        """Client `client`'s own randomness for the round: (sk, b, the coefficients of its sk and
+        b sharing polynomials), elements of F_p. Derived from (seed, round, client) so that every
+        process draws the same; only the client itself (and its dealing of shares) reads them."""
+        if client not in self._secrets:
+            count = 2 * self.threshold  # sk, b and 2 (t − 1) coefficients
+            words = np.random.SeedSequence([self.seed, self.round_index, SECRETS_STREAM, client]
+                                           ).generate_state(2 * count, np.uint64).tolist()
+            values = [(high << 64 | low) % shamir.PRIME for low, high in zip(words[::2], words[1::2])]
+            t = self.threshold
+            self._secrets[client] = (values[0], values[1], values[2:t + 1], values[t + 1:])
+        return self._secrets[client]
+
+    def public_key(self, client: int) -> int:
+        """pk = sk · 3 (mod p), which the client advertises to the round (kept: everyone reads it)."""
+        if client not in self._public_keys:
+            self._public_keys[client] = self._client_secrets(client)[0] * GENERATOR % shamir.PRIME
+        return self._public_keys[client]
+
+    def _mask_seeds(self, client: int) -> list[tuple[tuple[int, ...], int]]:
+        """(seed, sign) of every stream client i adds to its upload: +PRG(s_ij) for j > i, −PRG(s_ij)
+        for j < i over its neighbours (all others for `complete`), and +PRG(b_i) under SecAgg+."""
+        if self.neighbours is None:
+            return [((PAIR_TAG, self.seed, self.round_index, min(client, other), max(client, other)),
+                     1 if other > client else -1) for other in self.participants if other != client]
+        key, self_seed, _, _ = self._client_secrets(client)
+        seeds = [((SPARSE_PAIR_TAG, key * self.public_key(other) % shamir.PRIME), 1 if other > client else -1)
+                 for other in self.neighbours[client]]
+        return seeds + [((SELF_TAG, self_seed), 1)]
+
     def masked_upload(self, client: int, upload: Mapping[str, Tensor]) -> Tensor:
-        """Client `client`'s message y_i: its encoded upload plus its pair masks, (length,) int64."""
+        """Client `client`'s message y_i: its encoded upload plus its masks, (length,) int64."""
         if client not in self.participants:
             raise ValueError(f"client {client} is not a participant of this round")
         layout = self.set_layout(upload)
         encoded = layout.flatten(upload, self.fixed_point_bits, len(self.participants))
-        return ring_add(encoded, client_mask(client, self.participants, self.seed, self.round_index,
-                                             layout.length))
+        return ring_add(encoded, self.streams.signed_sum(self._mask_seeds(client), layout.length))
 
+    def shares_held(self, holder: int) -> dict[int, tuple[int, int]]:
+        """What client `holder` received in step 3: {dealer: (share of sk, share of b)} from each neighbour."""
+        held = {}
+        for dealer in self.neighbours[holder]:
+            key, self_seed, key_coefficients, self_coefficients = self._client_secrets(dealer)
+            held[dealer] = (shamir.share(key, key_coefficients, holder),
+                            shamir.share(self_seed, self_coefficients, holder))
+        return held
+
+    def reveal(self, survivors: Collection[int]) -> dict[tuple[str, int], dict[int, int]]:
+        """Step 5, the survivors' answers: {("self", u) or ("key", u): {holder: share}}. A survivor
+        gives, for each neighbour u, the share of b_u if u uploaded, else the share of sk_u."""
+        uploaded, revealed = set(survivors), {}
+        for holder in sorted(uploaded):
+            for dealer in self.neighbours[holder]:
+                key, self_seed, key_coefficients, self_coefficients = self._client_secrets(dealer)
+                kind, secret, coefficients = (("self", self_seed, self_coefficients) if dealer in uploaded
+                                              else ("key", key, key_coefficients))
+                # the share `holder` received from `dealer` in step 3 (evaluated here, when it is sent on)
+                revealed.setdefault((kind, dealer), {})[holder] = shamir.share(secret, coefficients, holder)
+        return revealed
+
+    # ---- the server's side --------------------------------------------------------------------
     def receive(self, masked: Tensor) -> None:
         """The server adds one masked message to its running ring sum."""
         self.total = ring_add(self.total, masked)
@@ -223,15 +438,79 @@ class SecureAggregator:
         """A client masks its upload and the server receives it."""
         self.receive(self.masked_upload(client, upload))
 
-    def unmask(self, total: Tensor, uploaded: Collection[int]) -> dict[str, Tensor]:
+    def unmask(self, total: Tensor, uploaded: Collection[int],
+               revealed: Mapping[tuple[str, int], Mapping[int, int]] | None = None) -> dict[str, Tensor]:
         """The exact sum of the uploads of `uploaded` (the survivors S), from the ring sum of their messages.
 
-        Removes Σ_{i∈S, j∈U∖S} ±PRG(s_ij), the masks survivors share with dropped clients, then decodes.
+        `complete`: removes Σ_{i∈S, j∈U∖S} ±PRG(s_ij). `sparse`: reconstructs the secrets from the
+        survivors' shares (`revealed`, default `reveal(uploaded)`) and removes the self-masks and
+        the masks shared with dropped neighbours. Raises RuntimeError when a secret the server
+        needs has fewer than t shares.
         """
         survivors = sorted({int(c) for c in uploaded})
-        dropped = sorted(set(self.participants) - set(survivors))
         length = self.layout.length
-        for client in survivors:
-            if dropped:
-                total = ring_sub(total, client_mask(client, dropped, self.seed, self.round_index, length))
-        return self.layout.unflatten(total, self.fixed_point_bits)
+        masks = self.streams.signed_sum(self._leftover_seeds(survivors, revealed), length)
+        return self.layout.unflatten(ring_sub(total, masks), self.fixed_point_bits)
+
+    def _leftover_seeds(self, survivors: list[int], revealed) -> list[tuple[tuple[int, ...], int]]:
+        """(seed, sign) of the masks in Σ_{i∈S} y_i that did not cancel."""
+        uploaded = set(survivors)
+        dropped = [c for c in self.participants if c not in uploaded]
+        if self.neighbours is None:
+            return [((PAIR_TAG, self.seed, self.round_index, min(i, j), max(i, j)), 1 if j > i else -1)
+                    for i in survivors for j in dropped]
+        revealed = self.reveal(survivors) if revealed is None else revealed
+        seeds = [((SELF_TAG, self._reconstruct(revealed, "self", i, "self-mask seed b")), 1) for i in survivors]
+        for j in dropped:
+            linked = [i for i in self.neighbours[j] if i in uploaded]
+            if linked:  # j's masks sit only in its surviving neighbours' uploads
+                key = self._reconstruct(revealed, "key", j, "key sk")
+                seeds += [((SPARSE_PAIR_TAG, key * self.public_key(i) % shamir.PRIME), 1 if j > i else -1)
+                          for i in linked]
+        return seeds
+
+    def _reconstruct(self, revealed, kind: str, client: int, what: str) -> int:
+        try:
+            return shamir.reconstruct(revealed.get((kind, client), {}), self.threshold,
+                                      what=f"client {client}'s {what}")
+        except ValueError as error:
+            raise RuntimeError(
+                f"round {self.round_index}: {error} (of its {len(self.neighbours[client])} neighbours): lower "
+                "federation.secagg_threshold, raise federation.secagg_degree, or lower federation.dropout") from None
+
+    def costs(self, uploaded: Collection[int]) -> dict[str, int]:
+        """What the round costs, from the protocol's structure (the same on every process):
+        mask streams the survivors drew, share bytes dealt by all participants and revealed by the
+        survivors, and the mask streams the server draws to unmask."""
+        survivors = {int(c) for c in uploaded}
+        dropped = [c for c in self.participants if c not in survivors]
+        if self.neighbours is None:
+            n = len(self.participants)
+            return {"mask_streams": len(survivors) * (n - 1), "share_bytes": 0,
+                    "server_mask_streams": len(survivors) * len(dropped)}
+        degree = {c: len(self.neighbours[c]) for c in self.participants}
+        dealt = sum(2 * degree[c] for c in self.participants)
+        revealed = sum(degree[c] for c in survivors)
+        return {"mask_streams": sum(degree[c] + 1 for c in survivors),
+                "share_bytes": shamir.SHARE_BYTES * (dealt + revealed),
+                "server_mask_streams": len(survivors) + sum(
+                    1 for j in dropped for i in self.neighbours[j] if i in survivors)}
+
+
+def secure_aggregator(federation, participants: Iterable[int], round_index: int,
+                      symmetric: Collection[str] = ()) -> SecureAggregator:
+    """The round's aggregator under `federation` (a `Federation`): its graph, and for SecAgg+ the
+    configured k and t or those `secagg_plus_parameters` chooses for the round's n."""
+    participants = sorted({int(c) for c in participants})
+    degree = threshold = None
+    if federation.secure_aggregation_graph == "sparse":
+        rule_degree, rule_threshold = secagg_plus_parameters(len(participants), federation.dropout,
+                                                             federation.secagg_corrupt_fraction)
+        degree = federation.secagg_degree or rule_degree
+        threshold = federation.secagg_threshold or (
+            rule_threshold if degree == rule_degree else
+            security_threshold(min(degree, len(participants) - 1), len(participants),
+                               federation.secagg_corrupt_fraction))
+    return SecureAggregator(participants, seed=federation.seed, round_index=round_index,
+                            fixed_point_bits=federation.fixed_point_bits, symmetric=symmetric,
+                            graph=federation.secure_aggregation_graph, degree=degree, threshold=threshold)

@@ -22,10 +22,12 @@ kept by the client): the round's sum does not reveal them.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-from workbench.federation.privacy import safe_ridge
+from workbench.federation.privacy import ridge_sensitivity, safe_ridge
 from workbench.linalg import class_sums, identity_like, solve_spd
 from workbench.methods.base import SUMMED, SYMMETRIC, ClientHalf, Cohort, FederatedMethod, Problem
 
@@ -88,6 +90,13 @@ class AFL(FederatedMethod):
 
     def client_half(self) -> AFLClient:
         return AFLClient(self.problem, self)
+
+    def statistics_sensitivity(self, feature_norm: float) -> float | None:
+        """One sample's design row [x (, 1)] has norm ≤ √(B² + bias): Δ of (XᵀX, XᵀY) as
+        `privacy.ridge_sensitivity`; None for a subclass whose design maps the features further."""
+        if type(self).design is not AFL.design:
+            return None
+        return ridge_sensitivity(math.sqrt(feature_norm ** 2 + int(self.bias)))
 
     def design(self, features: Tensor) -> Tensor:
         """(n, d) -> (n, d [+1]) in the statistics dtype."""

@@ -187,6 +187,9 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
     personalized: bool = False
     #: the server holds a model of the whole population (`forward`, `test/acc`)
     global_model: bool = True
+    #: the client half clips its summed uploads to a broadcast `privacy.CLIP_NORM` and uploads
+    #: `privacy.WITHIN_CLIP` (client-level DP, `federation.dp_clip`)
+    clips_updates: bool = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -233,6 +236,11 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
     def upload_bytes_per_client(self, upload: Mapping[str, Tensor]) -> int | None:
         """Bytes one client sends when they are not those of its dense tensors (top-k values and
         indices, packed low-bit codes); None: the codec counts the dense tensors."""
+        return None
+
+    def statistics_sensitivity(self, feature_norm: float) -> float | None:
+        """The L2 sensitivity of one round's summed statistics to one sample whose feature row has
+        norm ≤ B (`federation.feature_clip`), for `privacy/epsilon` under `dp_sigma`; None: not stated."""
         return None
 
     def head_logits(self, features: Tensor) -> dict[str, Tensor]:

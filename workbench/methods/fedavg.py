@@ -13,6 +13,12 @@ Round t, global model w_t (P parameters), K clients:
    g_k = Δw_k + e_k, sent_k = C(g_k), e_k ← g_k − sent_k.
 4. The server: w_{t+1} = w_t − η_s · (1/m) Σ_k sent_k  (η_s = `server_lr`; 1 is FedAvg).
 
+Under client-level DP (`federation.dp_clip`, workbench/federation/privacy.py) each client clips
+sent_k to the broadcast norm C (what is clipped off stays in its error feedback) and sends the
+bit ‖sent_k‖ ≤ C; the engine noises the sum, and with Poisson cohorts (`federation.sample_rate`)
+the server averages by the fixed E[m] = qK'. The protocol's cohort sampling replaces
+`sample_fraction` there (the accountant knows only the protocol's).
+
 Clients are averaged with equal weights, the 1/m Σ_k of OS-FED's recovery, so that every
 method here aggregates the same way (weighting by n_k would also send n_k). The m clients
 train at once in process, vectorized (`workbench.federation.local_training.local_sgd`), each
@@ -32,6 +38,7 @@ from torch import Tensor, nn
 
 from workbench.federation.compression import ErrorFeedback, build_compressor
 from workbench.federation.local_training import local_sgd
+from workbench.federation.privacy import CLIP_NORM, WITHIN_CLIP, clip_client_updates
 from workbench.methods.base import SUMMED, ClientHalf, Cohort, FederatedMethod, Problem, RoundPlan
 from workbench.methods.heads import Architecture, build_model
 
@@ -94,6 +101,7 @@ class FedAvgClient(ClientHalf):
         self.compressor = build_compressor(s["compression"], sizes, topk_fraction=s["topk_fraction"],
                                            quantize_bits=s["quantize_bits"])
         self.lossy = s["compression"] != "none" and s["error_feedback"]
+        self.clip: dict[str, Tensor] = {}  # the round's clip norm under client-level DP (`receive`)
 
     def setup_state(self) -> None:
         self.feedback = ErrorFeedback(self.num_served, self.flat.vector().numel()) if self.lossy else None
@@ -101,6 +109,7 @@ class FedAvgClient(ClientHalf):
     def receive(self, broadcast: Mapping[str, Tensor]) -> None:
         if "weights" in broadcast:
             self.flat.load(broadcast["weights"])
+        self.clip = {CLIP_NORM: broadcast[CLIP_NORM]} if CLIP_NORM in broadcast else {}  # client-level DP's C
 
     def local_sgd(self, round_index: int, cohort: Cohort, stream: int = MINIBATCHES, **options) -> dict[str, Tensor]:
         """Local SGD of every cohort client from the received model: {name: (m, *shape)}."""
@@ -126,13 +135,16 @@ class FedAvgClient(ClientHalf):
         return uploads, {**metrics, "time/compress_s": time.perf_counter() - start}
 
     def encode(self, round_index: int, cohort: Cohort, updates: Tensor) -> tuple[dict[str, Tensor], dict]:
-        """The clients' messages, summed: compressed Δw with error feedback -> {"update": (P,)}."""
+        """The clients' messages, summed: compressed Δw with error feedback -> {"update": (P,)};
+        under client-level DP each client's message clipped to the broadcast norm, and the count of
+        those within it (what is clipped off stays in the error feedback)."""
         slots = self.client_slots(cohort.clients)
         target = self.feedback.target(slots, updates) if self.feedback is not None else updates
-        sent = self.compressor(target)
+        clipped, count = clip_client_updates({"update": self.compressor(target)}, self.clip)
+        sent = clipped["update"]
         if self.feedback is not None:
             self.feedback.keep(slots, target, sent)
-        return {"update": sent.sum(0)}, {}
+        return {"update": sent.sum(0), **count}, {}
 
 
 class FedAvg(FederatedMethod):
@@ -152,8 +164,9 @@ class FedAvg(FederatedMethod):
         seed: model initialization, client sampling and minibatch order.
     """
 
-    uploads = {"update": SUMMED}
+    uploads = {"update": SUMMED, WITHIN_CLIP: SUMMED}  # the count only under client-level DP
     client_class = FedAvgClient
+    clips_updates = True
 
     def __init__(
         self,
@@ -253,7 +266,11 @@ class FedAvg(FederatedMethod):
         return {"weights": self.flat_parameters()}
 
     def upload_bytes_per_client(self, upload: Mapping[str, Tensor]) -> int:
-        return self.compressor.bytes_per_client()
+        return self.compressor.bytes_per_client() + self.count_bytes()
+
+    def count_bytes(self) -> int:
+        """The float32 count of client-level DP's adaptive clipping, sent beside the update."""
+        return 4 if self.federation.client_level_dp else 0
 
     def server_update(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, float]:
         self.apply_update(uploads["update"] / num_clients)

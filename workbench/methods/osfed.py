@@ -291,6 +291,7 @@ class OSFED(SnapshotGeometry, FedAvg):
     """
 
     uploads = {"snapshot_inputs": STACKED, "snapshot_labels": STACKED}
+    clips_updates = False  # a snapshot is not a clipped sum: client-level DP does not apply
     client_class = OSFEDClient
 
     def __init__(

@@ -20,7 +20,7 @@ own control variate c_i (c_i = 0 until it first takes part). Round t:
        x ← x + η_g · (1/|S|) Σ_{i ∈ S} Δy_i,      c ← c + (|S| / N) · (1/|S|) Σ_{i ∈ S} Δc_i,
 
    η_g = `server_lr`. Both uploads are sums over the clients, so secure aggregation and noise
-   apply as to FedAvg's.
+   apply as to FedAvg's; client-level DP clips (Δy_i, Δc_i) as one vector to norm ≤ C.
 
 With full participation c stays the mean of the c_i; with one local step (a client's whole data
 in one batch) c_i⁺ = g_i(x) and the round is FedAvg's, whatever c and c_i were (tested). The
@@ -38,6 +38,7 @@ from torch import Tensor
 
 from workbench.federation.compression import as_sent
 from workbench.federation.local_training import local_steps
+from workbench.federation.privacy import WITHIN_CLIP, clip_client_updates
 from workbench.methods.base import SUMMED, Cohort, Problem, RoundPlan
 from workbench.methods.fedavg import FedAvg, FedAvgClient
 
@@ -63,9 +64,10 @@ class ScaffoldClient(FedAvgClient):
         # option II: c_i⁺ = c_i − c + (x − y) / (K_i η_l); a client without a step keeps c_i
         trained = steps > 0
         new_c_i = torch.where(trained[:, None], c_i - c + (x - y) / (steps.clamp_min(1)[:, None] * s["lr"]), c_i)
-        delta_y, delta_c = as_sent(y - x), as_sent(new_c_i - c_i)  # what crosses the wire
+        # what crosses the wire; under client-level DP (Δy, Δc) clipped as one vector per client
+        sent, count = clip_client_updates({"delta_y": as_sent(y - x), "delta_c": as_sent(new_c_i - c_i)}, broadcast)
         self.control[slots] = new_c_i
-        return {"delta_y": delta_y.sum(0), "delta_c": delta_c.sum(0)}, {}
+        return {name: value.sum(0) for name, value in sent.items()} | count, {}
 
 
 class SCAFFOLD(FedAvg):
@@ -77,7 +79,7 @@ class SCAFFOLD(FedAvg):
             (no compression: the control variates are not compressed).
     """
 
-    uploads = {"delta_y": SUMMED, "delta_c": SUMMED}
+    uploads = {"delta_y": SUMMED, "delta_c": SUMMED, WITHIN_CLIP: SUMMED}  # the count only under client-level DP
     client_class = ScaffoldClient
 
     def __init__(self, num_rounds: int = 20, architecture="mlp", hidden_dim: int = 256, local_epochs: int = 1,
@@ -106,7 +108,7 @@ class SCAFFOLD(FedAvg):
         return {"weights": self.flat_parameters(), "control": self.control.clone()}
 
     def upload_bytes_per_client(self, upload: Mapping[str, Tensor]) -> int:
-        return 2 * self.compressor.bytes_per_client()  # Δy and Δc, float32 each
+        return 2 * self.compressor.bytes_per_client() + self.count_bytes()  # Δy and Δc, float32 each
 
     def server_update(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, float]:
         """x ← x + η_g · ΣΔy / |S|;  c ← c + ΣΔc / N  (= (|S|/N) · mean Δc)."""

@@ -25,8 +25,10 @@ four message stages per round. So our own masks travel in the Messages: each Cli
 the round's `SecureAggregator` from the settings it receives and sends
 `masked_upload(k, upload)` (int64 ring elements) with its layout (names, shapes, dtypes); the
 server ring-sums the survivors' vectors and `LightningEngine` unmasks the exact sum as in
-process. As in process, the key agreement and Shamir shares are not simulated (pair seeds
-derive from the federation seed).
+process. As in process, the seeds derive from the federation seed; under SecAgg+
+(`secure_aggregation_graph: sparse`) the settings carry the round's k and t, each ClientApp masks
+along the same graph with its self-mask, and the server reconstructs the secrets it needs from
+Shamir shares (simulated on the server: the share messages do not travel).
 
 Metrics: the engine's own (`comm/*` count the arrays' payload bytes: the same as in process), and
 `flower/bytes_up`, `flower/bytes_down` (the serialized arrays actually carried: numpy .npy bytes

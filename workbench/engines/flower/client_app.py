@@ -150,8 +150,7 @@ def train(message: Message, context: Context) -> Message:
         pass
     elif secure:
         options = json.loads(secure)
-        aggregator = SecureAggregator(options["participants"], seed=options["seed"], round_index=round_index,
-                                      fixed_point_bits=options["bits"], symmetric=options["symmetric"])
+        aggregator = SecureAggregator.from_settings(options, round_index)
         masked = aggregator.masked_upload(here.data.client, uploads)
         content["masked"] = to_record({"masked": masked})
         layout = {"names": list(uploads), "shapes": [list(v.shape) for v in uploads.values()],

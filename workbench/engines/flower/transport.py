@@ -159,9 +159,7 @@ class FlowerClients:
         method, spec = self.method, self.method.uploads
         start = time.perf_counter()
         survivors_list, lost_list = survivors.tolist(), lost.tolist()
-        secure_settings = "" if secure is None else json.dumps(
-            {"participants": secure.participants, "seed": secure.seed, "bits": secure.fixed_point_bits,
-             "symmetric": sorted(secure.symmetric)})
+        secure_settings = "" if secure is None else json.dumps(secure.settings())
         down = to_record(broadcast)  # dense, as comm/bytes_down counts it (no broadcast is symmetric)
         clients = sorted(survivors_list + lost_list)
         contents = [self._content(broadcast=down, round=self._settings(
