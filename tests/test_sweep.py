@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from workbench.__main__ import main
-from workbench.report import last_value, read_metrics
+from workbench.report import find_runs, last_value, read_metrics
 from workbench.sweep import (
     agent_flags,
     check_runs,
@@ -17,6 +17,7 @@ from workbench.sweep import (
     expand_runs,
     load_sweep,
     run_name,
+    with_overrides,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,13 +40,13 @@ def test_sweep_file_follows_the_conventions_and_the_cli_accepts_every_value(path
     sweep = load_sweep(path)  # structure, `${args}` after --config, no number written as text
     raw = yaml.safe_load(path.read_text())
     assert raw["program"] and raw["metric"]["goal"] in ("maximize", "minimize")
-    assert sweep.command[:-2] == COMMAND and sweep.command[-1] == "${args}"
+    assert sweep.command[:len(COMMAND)] == COMMAND and sweep.command[-1] == "${args}"
+    assert sweep.command[len(COMMAND) - 1:-1:2] == ["--config"] * len(sweep.configs)  # composed
     for spec in sweep.parameters.values():  # W&B's grid and the CLI both see exact values
         assert spec["distribution"] in ("constant", "categorical", "int_uniform", "q_uniform",
                                         "uniform", "log_uniform_values")
     monkeypatch.chdir(ROOT)  # configs are named relative to the repository, where agents run
-    if not Path(sweep.config).exists():
-        pytest.skip(f"{sweep.config} does not exist yet: its method has no config to sweep")
+    assert sweep.configs and all(Path(config).exists() for config in sweep.configs)
     runs = expand_runs(sweep, count=8 if sweep.method == "random" else None)
     assert len({run_name(values) for values in runs}) == len(runs)
     error, failures = check_runs(sweep, runs, tmp_path)
@@ -204,3 +205,62 @@ def test_a_flag_the_cli_rejects_stops_the_sweep_before_any_run(tmp_path, capsys)
     captured = capsys.readouterr()
     assert "nothing was run" in captured.err and "num_clientz" in captured.err
     assert not run_dir.exists()
+
+
+def test_overrides_replace_the_config_and_fix_settings_before_the_swept_values(tmp_path):
+    sweep = load_sweep(write_sweep(tmp_path / "o.yaml", {"data.alpha": {"values": [0.5]}}))
+    composed = with_overrides(sweep, ["configs/method/afl.yaml", "configs/data/mnist5k.yaml"],
+                              ["data.num_clients=5", "--model.gamma=2.0"])
+    assert composed.command[5:] == ["--config", "configs/method/afl.yaml", "--config",
+                                    "configs/data/mnist5k.yaml", "--data.num_clients=5",
+                                    "--model.gamma=2.0", "${args}"]
+    assert composed.configs == ["configs/method/afl.yaml", "configs/data/mnist5k.yaml"]
+    assert composed.name == "o+afl,mnist5k,num_clients=5,gamma=2.0" and sweep.name == "o"
+    with pytest.raises(ValueError, match="the sweep varies data.alpha"):
+        with_overrides(sweep, None, ["data.alpha=0.1"])
+    with pytest.raises(ValueError, match="key=value"):
+        with_overrides(sweep, None, ["data.alpha"])
+
+
+def test_a_failed_run_is_not_retried_unless_asked_and_runs_go_in_parallel(tmp_path, capsys):
+    """Two workers; 2000 clients for 2000 samples fails once the data is partitioned, and a
+    second pass does not start it again (it would fail alike) unless --retry_failed."""
+    path = write_sweep(tmp_path / "par.yaml", {"data.num_clients": {"values": [2000, 5]}})
+    run_dir = tmp_path / "runs"
+    args = ["sweep", str(path), "--run_dir", str(run_dir), "--workers", "2",
+            "--set", "trainer.enable_progress_bar=false", "--set", "wandb=disabled"]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert ", 2 at a time" in out and "1 done, 0 skipped (already complete), 1 failed" in out
+    name = "par+enable_progress_bar=false,wandb=disabled"
+    status = json.loads((run_dir / name / "num_clients=5" / "status.json").read_text())
+    assert status["sweep"] == name and "--trainer.enable_progress_bar=false" in status["command"]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert "[1/2] num_clients=2000 ... FAILED before, not retried (--retry_failed" in out
+    assert "0 done, 1 skipped" in out
+    assert main([*args, "--retry_failed", "--count", "1"]) == 1
+    assert "[1/1] num_clients=2000 ... FAILED (" in capsys.readouterr().out  # started again
+
+
+def test_the_demo_sweep_runs_end_to_end_and_is_compared_on_the_dashboard(tmp_path, monkeypatch, capsys):
+    """sweeps/demo_analytic.yaml on mnist5k (features cached after the first run): its first two
+    runs (α = 0.1, partition seeds 0 and 1), side by side, W&B offline; then the page holds them
+    as one row, mean ± std over the seeds."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run_dir = tmp_path / "runs"
+    assert main(["sweep", "sweeps/demo_analytic.yaml", "--run_dir", str(run_dir), "--workers", "2",
+                 "--count", "2"]) == 0
+    assert "2 runs: 2 done" in capsys.readouterr().out
+    runs = find_runs([run_dir / "demo_analytic"])
+    assert sorted(run.name for run in runs) == ["alpha=0.1,seed=0/version_0", "alpha=0.1,seed=1/version_0"]
+    for run in runs:
+        assert run.status == "done" and run.dataset == "mnist5k" and run.wandb_id
+        assert run.wall_seconds > run.final("time/fit_s") > 0
+        assert json.loads((run.path / "wandb.json").read_text())["mode"] == "offline"
+    out = tmp_path / "report"
+    assert main(["compare", str(run_dir / "demo_analytic"), "--out", str(out)]) == 0
+    page = (out / "index.html").read_text()
+    assert "(n=2)" in page and all(run.name in page for run in runs)
+    assert (out / "accuracy_vs_alpha.png").exists() and (out / "accuracy_vs_time.png").exists()

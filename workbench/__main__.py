@@ -14,7 +14,8 @@ from importlib import import_module
 from workbench.console import COMMANDS, DEBUG_ENV, DEBUG_FLAG, print_user_error, usage, user_error
 
 # Subcommands with parsers of their own; Lightning is not imported for them.
-TOOLS = {"sweep": "workbench.sweep", "compare": "workbench.report", "list": "workbench.catalog"}
+TOOLS = {"sweep": "workbench.sweep", "compare": "workbench.report", "list": "workbench.catalog",
+         "sync": "workbench.sync"}
 
 
 def main(argv: list[str] | None = None) -> int:

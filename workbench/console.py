@@ -17,6 +17,7 @@ COMMANDS = {
     "test": "test a fitted model (--ckpt_path runs/<name>/version_N/model.ckpt)",
     "sweep": "run a W&B sweep file here, without the W&B server (sweeps/X.yaml)",
     "compare": "one HTML page comparing finished runs: table, figures, PNGs",
+    "sync": "upload every offline W&B run under runs/ (wandb sync on each run's wandb/ folder)",
     "list": "the methods, datasets, backbones and partitions this install offers",
 }
 
@@ -31,6 +32,7 @@ commands:
 
 DEBUG_FLAG = "--debug"
 DEBUG_ENV = "WORKBENCH_DEBUG"  # set by --debug, so that the processes a run starts see it too
+SWEEP_ENV = "WORKBENCH_SWEEP"  # set by the offline sweep runner for its runs, which tag themselves with it
 DEBUG_HINT = f"(add {DEBUG_FLAG} for the traceback)"
 
 

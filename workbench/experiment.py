@@ -40,7 +40,7 @@ from workbench.engines.ddp import end_processes
 from workbench.files import replaced_atomically
 from workbench.federation import Federation
 from workbench.methods import FederatedMethod
-from workbench.runlog import log_hparams, make_loggers, print_summary
+from workbench.runlog import finish_run, log_hparams, make_loggers, print_summary
 
 
 #: test hook: `<round>` or `<round>:<SIGNAL>` sends the signal (default SIGTERM) to this process at
@@ -207,7 +207,8 @@ class WorkbenchCLI(LightningCLI):
             loggers = make_loggers(self.method, self.datamodule, run_dir=self._get(self.config, "run_dir"),
                                    run_name=self._get(self.config, "run_name"),
                                    wandb_mode=self._get(self.config, "wandb"),
-                                   wandb_project=self._get(self.config, "wandb_project"))
+                                   wandb_project=self._get(self.config, "wandb_project"),
+                                   engine=self._get(self.config, "engine"))
             kwargs["logger"] = loggers
             kwargs.setdefault("default_root_dir", loggers[0].log_dir)
         trainer = super().instantiate_trainer(**kwargs)
@@ -218,13 +219,13 @@ class WorkbenchCLI(LightningCLI):
         return trainer
 
     def before_fit(self) -> None:
-        log_hparams(self.trainer, self.model, self.datamodule)
+        log_hparams(self.trainer, self.model, self.datamodule, self._get(self.config, "engine"))
 
     def before_test(self) -> None:
-        log_hparams(self.trainer, self.model, self.datamodule)
+        log_hparams(self.trainer, self.model, self.datamodule, self._get(self.config, "engine"))
 
     def before_validate(self) -> None:
-        log_hparams(self.trainer, self.model, self.datamodule)
+        log_hparams(self.trainer, self.model, self.datamodule, self._get(self.config, "engine"))
         if self.datamodule.hparams.val_fraction == 0:
             raise ValueError("there is no validation split to validate on: set data.val_fraction "
                              "(e.g. 0.1) to hold out part of the training pool, or run `test`")
@@ -267,8 +268,9 @@ class WorkbenchCLI(LightningCLI):
             self.trainer.test(self.model, datamodule=self.datamodule, verbose=False)
         # Every process takes part (reading trainer.log_dir is a collective); only rank 0 prints.
         quiet = contextlib.nullcontext() if self.trainer.is_global_zero else contextlib.redirect_stdout(io.StringIO())
+        wall_s = finish_run(self.trainer)
         with quiet:
-            print_summary(self.trainer, self.model, checkpoint)
+            print_summary(self.trainer, self.model, checkpoint, wall_s=wall_s)
 
 
 #: Lightning's notices that say nothing about a federated run, each with why

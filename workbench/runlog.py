@@ -2,29 +2,78 @@
 from __future__ import annotations
 
 import csv
+import json
+import math
 import os
 import re
+import time
 from pathlib import Path
 
 from lightning.pytorch.loggers import CSVLogger, Logger
 
+from workbench.files import write_text_atomically
+from workbench.console import SWEEP_ENV
+
 
 def _wandb_mode(requested: str) -> str:
-    """`--wandb` wins; `auto` follows `WANDB_MODE` when it is set, else goes online only when an
-    API key is configured, so a fresh machine never prompts."""
+    """`--wandb` wins; `auto` follows `WANDB_MODE` when it is set, else goes online only when
+    W&B is configured — an API key, a self-hosted `WANDB_BASE_URL`, or the `~/.netrc` entry
+    `wandb login` writes for its host (api.wandb.ai, or the `base_url` of W&B's settings file) —
+    so a fresh machine never prompts."""
     if requested != "auto":
         return requested
     if os.environ.get("WANDB_MODE"):
         return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_BASE_URL"):
+        return "online"
     netrc = Path.home() / ".netrc"
-    has_key = bool(os.environ.get("WANDB_API_KEY")) or (
-        netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="ignore"))
-    return "online" if has_key else "offline"
+    logged_in = netrc.exists() and any(
+        host in netrc.read_text(errors="ignore") for host in _wandb_hosts())
+    return "online" if logged_in else "offline"
+
+
+def _wandb_hosts() -> list[str]:
+    """api.wandb.ai, and the host `wandb login --host` saved in W&B's settings file."""
+    from configparser import ConfigParser, Error
+    from urllib.parse import urlparse
+
+    folder = Path(os.environ.get("WANDB_CONFIG_DIR") or Path.home() / ".config" / "wandb")
+    settings = ConfigParser()
+    try:
+        settings.read(folder / "settings")
+    except Error:  # a malformed file configures nothing
+        return ["api.wandb.ai"]
+    base_url = settings.get("default", "base_url", fallback="")
+    return ["api.wandb.ai", *([urlparse(base_url).hostname] if urlparse(base_url).hostname else [])]
+
+
+PARAMS_ENV = "WORKBENCH_SWEEP_PARAM_PATH"  # the agent's file, kept for a DDP fit's other processes
+
+
+def agent_values() -> dict:
+    """The values a W&B sweep agent chose for this run ({key: value}, in the sweep file's
+    order), read from its `WANDB_SWEEP_PARAM_PATH` file; {} outside an agent."""
+    path = os.environ.get("WANDB_SWEEP_PARAM_PATH") or os.environ.get(PARAMS_ENV)
+    if not path or not Path(path).exists():
+        return {}
+    import yaml
+
+    params = yaml.safe_load(Path(path).read_text()) or {}
+    return {key: spec.get("value") if isinstance(spec, dict) else spec
+            for key, spec in params.items() if not key.startswith("_")}
+
+
+def _value_text(value) -> str:
+    return f"{value:.10g}" if isinstance(value, float) else str(value)
 
 
 def default_run_name(method, datamodule) -> str:
+    """`<method>-<dataset>-<partition>-K<K>`, plus `leaf=value` of each value a sweep agent chose
+    (runs of one sweep would otherwise share a name and a folder)."""
     info = datamodule.describe()
     name = f"{type(method).__name__}-{info['dataset']}-{info['partition']}-K{info['num_clients']}"
+    swept = [f"{key.rsplit('.', 1)[-1]}={_value_text(value)}" for key, value in agent_values().items()]
+    name = ",".join([name, *swept])
     return re.sub(r"[^A-Za-z0-9_.=,-]+", "_", name.lower())
 
 
@@ -50,7 +99,7 @@ def claim_version(root: Path) -> int:
 
 
 def make_loggers(method, datamodule, *, run_dir: str, run_name: str | None, wandb_mode: str,
-                 wandb_project: str) -> list[Logger]:
+                 wandb_project: str, engine: str = "lightning") -> list[Logger]:
     """CSV first (its folder, claimed here, is the run's folder), then W&B unless disabled."""
     name = run_name or default_run_name(method, datamodule)
     version = claim_version(Path(run_dir) / name)
@@ -60,34 +109,106 @@ def make_loggers(method, datamodule, *, run_dir: str, run_name: str | None, wand
         from lightning.pytorch.loggers import WandbLogger
 
         os.environ["WANDB_MODE"] = mode  # W&B reads the variable too, and would let it win
+        # Under a sweep agent W&B would copy each swept value into the config as a flat
+        # `data.alpha` key beside the nested one `log_hparams` writes: it is read here instead
+        # (for the run's name) and W&B does not see the file.
+        if "WANDB_SWEEP_PARAM_PATH" in os.environ:
+            os.environ[PARAMS_ENV] = os.environ.pop("WANDB_SWEEP_PARAM_PATH")
 
         info = datamodule.describe()
+        sweep = os.environ.get(SWEEP_ENV) or os.environ.get("WANDB_SWEEP_ID")
         loggers.append(WandbLogger(
             # Beside the versions, not inside one: the CSV logger wants its version folder empty.
             project=wandb_project, name=name, save_dir=str(Path(run_dir) / name), mode=mode,
             group=type(method).__name__,
-            tags=[info["dataset"], info["backbone"], info["partition"], f"K={info['num_clients']}"]))
+            tags=[info["dataset"], info["backbone"], info["partition"], f"K={info['num_clients']}",
+                  f"engine={engine}", *([f"sweep={sweep}"] if sweep else [])]))
         # Lightning passes anonymous=None, which W&B now warns has no effect on every run.
         getattr(loggers[-1], "_wandb_init", {}).pop("anonymous", None)
     return loggers
 
 
-def log_hparams(trainer, engine, datamodule) -> None:
-    """Logs the method's, the data's and the protocol's settings as `model.*`, `data.*`, `federation.*`.
+def log_hparams(trainer, engine, datamodule, engine_name: str = "lightning") -> None:
+    """Logs the method's, the data's and the protocol's settings as `model.*`, `data.*`,
+    `federation.*`, with `engine`, the sweep's name and the run's folder; the folder gets
+    `wandb.json` (the W&B run's id, project, mode and files), so each names the other.
 
     Lightning would merge both into one flat dict and refuse keys they share with different
     values (`model.seed` ≠ `data.seed` is a normal experiment), so its merge is turned off.
     """
     method = engine.method
     engine._log_hyperparams = datamodule._log_hyperparams = False
+    log_dir = trainer.log_dir  # read by every process: under DDP it is a broadcast
     def public(hparams) -> dict:  # without the CLI's `_class_path`/`_instantiator` entries
         return {key: value for key, value in hparams.items() if not key.startswith("_")}
 
     hparams = {"model": {"class": type(method).__name__, **public(method.hparams_initial)},
                "data": public(datamodule.hparams_initial),
-               "federation": vars(engine.federation)}  # dropouts, secure aggregation, noise
+               "federation": vars(engine.federation),  # dropouts, secure aggregation, noise
+               "engine": engine_name, "processes": trainer.world_size,
+               "sweep": os.environ.get(SWEEP_ENV) or os.environ.get("WANDB_SWEEP_ID"),
+               "run_folder": str(Path(log_dir).resolve()) if log_dir else None}
     for logger in trainer.loggers:
         logger.log_hyperparams(hparams)
+    run = _wandb_run(trainer)
+    if run is not None and trainer.is_global_zero and log_dir is not None:
+        link = {"id": run.id, "name": run.name, "project": run.project,
+                "mode": os.environ.get("WANDB_MODE", "online"),  # set by make_loggers
+                "files": str(Path(run.dir).parent), "url": run.url}
+        write_text_atomically(Path(log_dir) / "wandb.json", json.dumps(link, indent=2) + "\n")
+
+
+def _wandb_run(trainer):
+    """The W&B run of this fit, or None (W&B disabled)."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger):
+            return logger.experiment
+    return None
+
+
+#: per-step accuracies whose best value (and where it was reached) goes into the W&B summary
+STEP_ACCURACIES = {"depth/test_acc": "depth", "round/test_acc": "round", "val/acc": "round"}
+
+
+_IMPORTED = time.monotonic()
+
+
+def process_seconds() -> float:
+    """Seconds since this process started: imports, feature extraction and an engine's start
+    included (Linux's /proc; elsewhere since this module was imported)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED
+
+
+def finish_run(trainer) -> float:
+    """After a fit and its test: logs `time/wall_s` (the process's seconds so far) to every
+    logger and puts final and best per-step accuracies in the W&B summary; returns the seconds."""
+    wall_s = process_seconds()
+    log_dir = trainer.log_dir  # read by every process: under DDP it is a broadcast
+    for logger in trainer.loggers:
+        logger.log_metrics({"time/wall_s": wall_s}, step=trainer.global_step + 1)
+        logger.save()
+    run = _wandb_run(trainer)
+    if run is not None and trainer.is_global_zero and log_dir is not None:
+        from workbench.report.runs import read_metrics  # no torch: a CSV reader
+
+        rows = read_metrics(Path(log_dir) / "metrics.csv")
+        for key, axis in STEP_ACCURACIES.items():
+            points = [(row[key], row.get("depth/depth", row.get("step")) if axis == "depth"
+                       else row.get("epoch", math.nan) + 1)  # Lightning's epochs count from 0
+                      for row in rows if key in row]
+            if len(points) > 1:
+                best, at = max(points, key=lambda point: point[0])
+                run.summary.update({f"{key}.best": best, f"{key}.final": points[-1][0],
+                                    f"{key}.best_{axis}": at})
+        run.summary["time/wall_s"] = wall_s
+    return wall_s
 
 
 def save_per_client_table(table: dict[str, list], trainer) -> None:
@@ -110,7 +231,8 @@ def _megabytes(value: float) -> str:
     return f"{value / 1e6:,.3f} MB"
 
 
-def print_summary(trainer, engine, checkpoint: Path | None = None) -> None:
+def print_summary(trainer, engine, checkpoint: Path | None = None,
+                  wall_s: float | None = None) -> None:
     """One screen: accuracy, rounds, bytes, time and where the logs are."""
     method = engine.method
     metrics = {**engine.fit_metrics,
@@ -124,11 +246,15 @@ def print_summary(trainer, engine, checkpoint: Path | None = None) -> None:
         f"bytes up          {_megabytes(metrics.get('comm/bytes_up', 0))} in all, "
         f"{_megabytes(metrics.get('comm/bytes_up_per_client', 0))} per client",
         f"bytes down        {_megabytes(metrics.get('comm/bytes_down', 0))}",
+        *([f"privacy           ε = {metrics['privacy/epsilon']:.3g} at δ = {engine.federation.dp_delta:g}"]
+          if "privacy/epsilon" in metrics else []),
         f"time              fit {metrics.get('time/fit_s', float('nan')):.2f} s "
         f"(clients {metrics.get('time/client_s', float('nan')):.2f} s, "
         f"server {metrics.get('time/server_s', float('nan')):.2f} s)",
         f"logs              {trainer.log_dir}",
     ]
+    if wall_s is not None:  # beside fit time: imports, extraction and the engine's start too
+        lines.insert(-1, f"wall time         {wall_s:.1f} s end to end")
     if checkpoint is not None:
         lines.append(f"fitted model      {checkpoint}")
     width = max(map(len, lines))

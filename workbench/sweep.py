@@ -12,7 +12,10 @@ from the values. Every run is a subprocess of its own, so a crash ends that run 
     <run_dir>/<sweep>/<run name>/output.log    everything the run printed
 
 A run whose metrics.csv holds the sweep's metric is complete (the final test row is the last
-thing a fit writes) and a second pass skips it; a failed run is tried again.
+thing a fit writes) and a second pass skips it; a run that failed is not started again (it would
+fail alike) unless `--retry_failed`, except one stopped by a signal. `--config` runs the sweep on
+other (composed) configs, `--set key=value` fixes a setting for every run, `--workers N` runs N at
+a time; each run is tagged with the sweep's name (`WORKBENCH_SWEEP`, read by `workbench.runlog`).
 """
 from __future__ import annotations
 
@@ -27,10 +30,12 @@ import os
 import random
 import re
 import shlex
+import socket
 import subprocess
 import sys
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,8 +43,10 @@ from typing import Any, Callable
 
 import yaml
 
+from workbench.console import SWEEP_ENV
 from workbench.files import write_text_atomically
 from workbench.report.runs import last_value, read_metrics
+
 
 # A string that YAML would have read as a number had it been written `1.0e-4`: PyYAML reads
 # `1e-4` as text, and W&B would then sweep over the text.
@@ -86,20 +93,63 @@ class Sweep:
     parameters: dict[str, dict[str, Any]]
     command: list[str]
     metric: str
+    variant: str = ""  # what `with_overrides` changed, e.g. `dataset=mnist5k`
 
     @property
     def name(self) -> str:
-        return self.path.stem
+        """The file's name, plus its overrides: the runs of another variant are other runs."""
+        return f"{self.path.stem}+{self.variant}" if self.variant else self.path.stem
+
+    @property
+    def configs(self) -> list[str]:
+        """The config files the command passes with `--config`, in order."""
+        found = []
+        for i, token in enumerate(self.command):
+            if token == "--config" and i + 1 < len(self.command):
+                found.append(self.command[i + 1])
+            elif token.startswith("--config="):
+                found.append(token.split("=", 1)[1])
+        return found
 
     @property
     def config(self) -> str | None:
-        """The config file the command passes with `--config`, if any."""
-        for i, token in enumerate(self.command):
-            if token == "--config" and i + 1 < len(self.command):
-                return self.command[i + 1]
-            if token.startswith("--config="):
-                return token.split("=", 1)[1]
-        return None
+        """The config files the command passes, joined with `+`, or None."""
+        return " + ".join(self.configs) or None
+
+
+def with_overrides(sweep: Sweep, configs: list[str] | None = None,
+                   settings: list[str] | None = None) -> Sweep:
+    """The sweep with its command's `--config` files replaced by `configs` (composed in order)
+    and `--key=value` for each `key=value` of `settings` before `${args}`, named after them
+    (`afl_invariance+dataset=mnist5k`) so that its runs go to a folder of their own. A setting
+    of a swept key is an error: the swept value would override it."""
+    command = list(sweep.command)
+    if configs:
+        kept, skip = [], False
+        for token in command:
+            if skip:
+                skip = False
+            elif token == "--config":
+                skip = True
+            elif not token.startswith("--config="):
+                kept.append(token)
+        at = kept.index("${args}")
+        command = [*kept[:at], *(t for c in configs for t in ("--config", c)), *kept[at:]]
+    flags, labels = [], [Path(config).stem for config in configs or []]
+    for setting in settings or []:
+        key, equals, value = setting.partition("=")
+        key = key.removeprefix("--")
+        if not equals or not key:
+            raise ValueError(f"--set {setting!r}: write key=value, e.g. --set data.dataset=mnist5k")
+        if key in sweep.parameters:
+            raise ValueError(f"--set {key}: the sweep varies {key}; change its values in "
+                             f"{sweep.path} instead")
+        flags.append(f"--{key}={value}")
+        labels.append(f"{key.rsplit('.', 1)[-1]}={value}")
+    at = command.index("${args}")
+    variant = re.sub(r"[^A-Za-z0-9_.=,+-]+", "_", ",".join(labels))
+    return Sweep(sweep.path, sweep.method, sweep.parameters, [*command[:at], *flags, *command[at:]],
+                 sweep.metric, variant)
 
 
 def _check_not_text_number(where: str, value: Any) -> None:
@@ -385,11 +435,15 @@ def run_one(sweep: Sweep, values: dict[str, Any], run_folder: Path) -> dict[str,
     run_folder.mkdir(parents=True, exist_ok=True)
     argv = command_argv(sweep, agent_flags(values), run_folder)
     env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "offline"),
-           "WANDB_SILENT": os.environ.get("WANDB_SILENT", "true")}
+           "WANDB_SILENT": os.environ.get("WANDB_SILENT", "true"),
+           SWEEP_ENV: sweep.name}  # the run tags itself with the sweep's name
+    _write_status(run_folder, {"params": values, "command": argv, "status": "running",
+                               "sweep": sweep.name, "metric": sweep.metric,
+                               "runner": {"host": socket.gethostname(), "pid": os.getpid()}})
     start = time.perf_counter()
     with (run_folder / "output.log").open("w") as log:
         returncode = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
-    status = {"params": values, "command": argv, "returncode": returncode,
+    status = {"params": values, "command": argv, "returncode": returncode, "sweep": sweep.name,
               "seconds": round(time.perf_counter() - start, 2), "metric": sweep.metric}
     version = completed_version(run_folder, sweep.metric) if returncode == 0 else None
     if version is not None:
@@ -404,40 +458,74 @@ def run_one(sweep: Sweep, values: dict[str, Any], run_folder: Path) -> dict[str,
     return status
 
 
+def deterministic_failure(run_folder: Path) -> str | None:
+    """The error of an earlier attempt that would fail alike again (refused, a user error, a
+    crash, no metric), or None: never tried, finished, or stopped by a signal (worth a retry)."""
+    path = run_folder / "status.json"
+    try:
+        status = json.loads(path.read_text()) if path.exists() else {}
+    except ValueError:
+        return None
+    code = status.get("returncode")
+    signalled = isinstance(code, int) and (code < 0 or code >= 128)
+    return status.get("error") if status.get("status") == "failed" and not signalled else None
+
+
 def run_sweep(sweep: Sweep, runs: list[dict[str, Any]], run_dir: Path,
-              refused: dict[int, str] | None = None) -> dict[str, int]:
-    """Run (or skip) every run with a progress line each; the tally of done/skipped/failed.
-    `refused` ({run index: why}, from `refused_runs`) are recorded as failed without starting."""
+              refused: dict[int, str] | None = None, workers: int = 1,
+              retry_failed: bool = False) -> dict[str, int]:
+    """Run (or skip) every run, `workers` at a time, with a progress line each; the tally of
+    done/skipped/failed. `refused` ({run index: why}, from `refused_runs`) are recorded as failed
+    without starting; runs that failed deterministically before are not started again unless
+    `retry_failed`."""
     refused = refused or {}
     folder = run_dir / sweep.name
     print(f"sweep {sweep.name}: {len(runs)} {sweep.method} runs of {sweep.config or 'its command'} "
-          f"-> {folder}", flush=True)
+          f"-> {folder}" + (f", {workers} at a time" if workers > 1 else ""), flush=True)
     tally = {"done": 0, "skipped": 0, "failed": 0}
+    pending = []
     for i, values in enumerate(runs, 1):
         run_folder = folder / run_name(values)
-        print(f"[{i}/{len(runs)}] {' '.join(value_labels(values))} ... ", end="", flush=True)
+        start = f"[{i}/{len(runs)}] {' '.join(value_labels(values))} ... "
         if i - 1 in refused:
             status = {"params": values, "status": "failed", "returncode": None, "seconds": 0.0,
-                      "metric": sweep.metric, "error": f"cannot be built: {refused[i - 1]}", "error_tail": []}
+                      "sweep": sweep.name, "metric": sweep.metric,
+                      "error": f"cannot be built: {refused[i - 1]}", "error_tail": []}
             run_folder.mkdir(parents=True, exist_ok=True)
             _write_status(run_folder, status)
-            print(f"FAILED, not started: {status['error']}", flush=True)
+            print(f"{start}FAILED, not started: {status['error']}", flush=True)
             tally["failed"] += 1
             continue
         version = completed_version(run_folder, sweep.metric)
         if version is not None:
             value = last_value(read_metrics(version / "metrics.csv"), sweep.metric)
-            print(f"skipped, complete: {sweep.metric}={value:.4f}", flush=True)
+            print(f"{start}skipped, complete: {sweep.metric}={value:.4f}", flush=True)
             tally["skipped"] += 1
             continue
-        status = run_one(sweep, values, run_folder)
+        earlier = None if retry_failed else deterministic_failure(run_folder)
+        if earlier is not None:
+            print(f"{start}FAILED before, not retried (--retry_failed runs it again): {earlier}",
+                  flush=True)
+            tally["failed"] += 1
+            continue
+        pending.append((start, values, run_folder))
+
+    def report(start: str, status: dict[str, Any], run_folder: Path) -> None:
         tally[status["status"]] += 1
         if status["status"] == "done":
-            print(f"done {sweep.metric}={status['value']:.4f} ({status['seconds']:.1f} s)",
+            print(f"{start}done {sweep.metric}={status['value']:.4f} ({status['seconds']:.1f} s)",
                   flush=True)
         else:
-            print(f"FAILED ({status['seconds']:.1f} s): {status['error']} "
+            print(f"{start}FAILED ({status['seconds']:.1f} s): {status['error']} "
                   f"[{run_folder / 'output.log'}]", flush=True)
+
+    # Each run is a subprocess: threads only wait on them, and print each line when it ends.
+    with ThreadPoolExecutor(max_workers=max(workers, 1)) as pool:
+        futures = {pool.submit(run_one, sweep, values, run_folder): (start, run_folder)
+                   for start, values, run_folder in pending}
+        for future in as_completed(futures):
+            start, run_folder = futures[future]
+            report(start, future.result(), run_folder)
     where = " (each failed run's status.json holds its error)" if tally["failed"] else ""
     print(f"{len(runs)} runs: {tally['done']} done, {tally['skipped']} skipped (already complete), "
           f"{tally['failed']} failed{where}")
@@ -485,19 +573,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random draws (default: 0)")
     parser.add_argument("--dry_run", action="store_true",
                         help="print each run's command, check the CLI accepts it; run nothing")
+    parser.add_argument("--config", action="append", metavar="FILE",
+                        help="run the sweep on this config instead of its command's; repeat to "
+                             "compose (configs/method/afl.yaml, then configs/data/mnist5k.yaml)")
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE", dest="settings",
+                        help="a setting for every run, e.g. --set data.dataset=mnist5k; repeatable")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="runs at a time, each its own process (default: 1)")
+    parser.add_argument("--retry_failed", action="store_true",
+                        help="start again runs that failed before (by default only runs stopped "
+                             "by a signal are started again)")
     args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error(f"--workers must be ≥ 1, got {args.workers}")
     try:
-        sweep = load_sweep(args.sweep_file)
+        sweep = with_overrides(load_sweep(args.sweep_file), args.config, args.settings)
         runs = expand_runs(sweep, args.count, args.seed)
     except (OSError, ValueError) as error:
         parser.error(str(error))
-    if sweep.config is not None and not Path(sweep.config).exists():
-        parser.error(f"{sweep.path} runs --config {sweep.config}, which does not exist here "
-                     "(the command's paths are relative to the folder you run from, as with "
-                     "wandb agent)")
+    for config in sweep.configs:
+        if not Path(config).exists():
+            parser.error(f"{sweep.path} runs --config {config}, which does not exist here "
+                         "(the command's paths are relative to the folder you run from, as with "
+                         "wandb agent)")
     if args.dry_run:
         return dry_run(sweep, runs, Path(args.run_dir))
     refused = refused_runs(sweep, runs, Path(args.run_dir))
     if refused is None:
         return 2
-    return 1 if run_sweep(sweep, runs, Path(args.run_dir), refused)["failed"] else 0
+    tally = run_sweep(sweep, runs, Path(args.run_dir), refused, workers=args.workers,
+                      retry_failed=args.retry_failed)
+    return 1 if tally["failed"] else 0

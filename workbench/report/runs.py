@@ -1,4 +1,5 @@
-"""Finished runs read back from their folders: `metrics.csv`, `config.yaml`, `per_client_acc.csv`.
+"""Runs read back from their folders: `metrics.csv`, `config.yaml`, `per_client_acc.csv`, and
+the sweep runner's `status.json` (failed, running or stopped runs, with their errors).
 
 A run folder is what `fit` writes, `<run_dir>/<run_name>/version_N/`. Only local files are read
 (never the W&B server), and nothing here imports torch or Lightning, so reading is quick.
@@ -6,12 +7,70 @@ A run folder is what `fit` writes, `<run_dir>/<run_name>/version_N/`. Only local
 from __future__ import annotations
 
 import csv
+import json
 import math
+import os
+import re
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from workbench.files import _alive
+
+VERSION = re.compile(r"version_\d+")  # the folders `fit` claims, one per run
+#: fields of a run that --group_by takes besides config keys
+FIELDS = ("method", "engine", "protocol", "dataset", "backbone", "partition", "alpha", "K")
+#: a metric under this prefix is logged last by a finished fit (its test), or by `validate`
+FINISHED = ("test/", "val/")
+#: config leaves that only choose a random stream: runs differing in them alone are repeats
+SEED_KEYS = {"seed", "seed_everything"}
+#: config keys that say where or how a run was written, not what it computed
+BOOKKEEPING = {"run_dir", "run_name", "wandb", "wandb_project", "ckpt_path", "config",
+               "checkpoint_every_round", "print_config", "trainer.enable_progress_bar",
+               "trainer.logger", "trainer.default_root_dir", "data.init_args.cache_dir",
+               "data.init_args.data_dir", "data.init_args.device"}
+
+
+def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config as {dotted key: leaf value}."""
+    if not isinstance(config, dict) or not config:
+        return {prefix: config} if prefix else {}
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def short_key(key: str) -> str:
+    """The CLI's short form of a config key: `model.init_args.gamma` -> `model.gamma`."""
+    return key.replace(".init_args.", ".")
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in str(text).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "no error recorded"
+
+
+def _runner_alive(status: dict[str, Any]) -> bool:
+    """Whether the sweep runner that wrote a `running` status still runs (True when it ran on
+    another machine: only its own host can tell)."""
+    runner = status.get("runner") or {}
+    if runner.get("host") != socket.gethostname() or not isinstance(runner.get("pid"), int):
+        return True
+    return _alive(runner["pid"])
+
+
+def _sweep_status(run_folder: Path) -> dict[str, Any]:
+    """The sweep runner's status.json of a run folder, or {}."""
+    path = run_folder / "status.json"
+    try:
+        return json.loads(path.read_text()) if path.exists() else {}
+    except ValueError:  # being rewritten: no status is better than a crash
+        return {}
+
 
 # Per-step accuracy curves, most specific first: (metric, what its x axis counts).
 CURVES = (("depth/test_acc", "depth"), ("round/test_acc", "round"), ("val/acc", "round"))
@@ -48,9 +107,15 @@ class Run:
     config: dict[str, Any] = field(default_factory=dict)
     rows: list[dict[str, float]] = field(default_factory=list)
     per_client_acc: list[float] | None = None
+    status: str = "done"  # done, failed, running, or incomplete (no test logged, no status.json)
+    error: str = ""  # the last line of a failed run's error
+    sweep_seconds: float = math.nan  # the sweep runner's end-to-end seconds of the run's process
+    wandb_id: str = ""
+    root: Path | None = None  # what `name` is relative to
 
     @classmethod
     def load(cls, path: Path) -> Run:
+        """A version folder; its status from its metrics and the sweep runner's status.json."""
         path = Path(path)
         config_file, per_client_file = path / "config.yaml", path / "per_client_acc.csv"
         config = yaml.safe_load(config_file.read_text()) if config_file.exists() else {}
@@ -58,12 +123,45 @@ class Run:
         if per_client_file.exists():
             with per_client_file.open(newline="") as f:
                 per_client = [float(row["acc"]) for row in csv.DictReader(f)]
-        return cls(path, config or {}, read_metrics(path / "metrics.csv"), per_client)
+        metrics = path / "metrics.csv"
+        run = cls(path, config or {}, read_metrics(metrics) if metrics.exists() else [], per_client)
+        link = path / "wandb.json"
+        if link.exists():
+            run.wandb_id = str(json.loads(link.read_text()).get("id", ""))
+        sweep = _sweep_status(path.parent)
+        if any(key.startswith(FINISHED) for row in run.rows for key in row):
+            if sweep.get("version") and Path(sweep["version"]).resolve() == path.resolve():
+                run.sweep_seconds = float(sweep.get("seconds", math.nan))
+            return run
+        if sweep.get("status") == "done":  # the sweep re-ran it: this is an earlier attempt
+            run.status = "superseded"
+            run.error = f"an earlier attempt; the sweep's {Path(sweep.get('version', '?')).name} finished"
+        elif sweep.get("status") == "running" and not _runner_alive(sweep):
+            run.status, run.error = "stopped", "its sweep runner ended before the run did"
+        elif sweep.get("status") in ("failed", "running"):
+            run.status, run.error = sweep["status"], _last_line(sweep.get("error", ""))
+        else:
+            run.status = "incomplete"
+            stopped = " (last.ckpt: resume with fit --ckpt_path last)" if (path / "last.ckpt").exists() else ""
+            run.error = f"no test or validation metric logged: still running, or stopped{stopped}"
+        return run
+
+    @classmethod
+    def from_status(cls, folder: Path, status: dict[str, Any]) -> Run:
+        """A sweep run that left no version folder (refused, failed or stopped before it made one,
+        or just starting)."""
+        if status.get("status") == "running" and not _runner_alive(status):
+            return cls(Path(folder), status="stopped", error="its sweep runner ended before the run did")
+        return cls(Path(folder), status=status.get("status", "failed"),
+                   error=_last_line(status.get("error", "")))
 
     # ---- what the run was ---------------------------------------------------------------
     @property
     def name(self) -> str:
-        """`<run_name>/version_N`: unique within one run_dir."""
+        """The run's path below `root` (set by `find_runs`: the folder that holds every run
+        found), else `<run_name>/version_N`."""
+        if self.root is not None:
+            return self.path.relative_to(self.root).as_posix()
         return f"{self.path.parent.name}/{self.path.name}"
 
     def _init_args(self, part: str) -> dict[str, Any]:
@@ -99,11 +197,43 @@ class Run:
     def num_clients(self) -> float:
         return float(self._init_args("data").get("num_clients", math.nan))
 
+    @property
+    def engine(self) -> str:
+        """Who ran the rounds: in process, several processes (DDP) or Flower."""
+        engine = self.config.get("engine") or "lightning"
+        if engine == "flower":
+            return "flower"
+        strategy = (self.config.get("trainer") or {}).get("strategy")
+        return "ddp" if strategy == "ddp" else "in process" if self.config else "—"
+
+    @property
+    def protocol(self) -> str:
+        """`personalized` (each client also scored on its own test split) or `global`."""
+        if not self.config:
+            return "—"
+        return "personalized" if self._init_args("data").get("personalized") else "global"
+
+    @property
+    def wall_seconds(self) -> float:
+        """End to end: the run's own `time/wall_s`, else the sweep runner's measure of its process."""
+        logged = self.final("time/wall_s")
+        return logged if math.isfinite(logged) else self.sweep_seconds
+
+    def setting(self, without: tuple[str, ...] = ()) -> tuple:
+        """Everything that defines the experiment except seeds, where it was written and the
+        config keys `without`: runs with equal settings are repeats, averaged on the page. A run
+        without a config is a setting of its own."""
+        if not self.config:
+            return (("path", str(self.path)),)
+        return tuple(sorted((key, repr(value)) for key, value in flatten(self.config).items()
+                            if key.rsplit(".", 1)[-1] not in SEED_KEYS
+                            and key not in BOOKKEEPING and key not in without))
+
     def value_of(self, key: str) -> Any:
         """A table field (`method`, `dataset`, `backbone`, `partition`, `alpha`, `K`) or a dotted
         config key, in the CLI's long (`model.init_args.num_layers`) or short
         (`model.num_layers`) form; None when the run has no such key."""
-        if key in ("method", "dataset", "backbone", "partition", "alpha"):
+        if key in FIELDS and key != "K":
             return getattr(self, key)
         if key in ("K", "num_clients"):
             return self.num_clients
@@ -141,18 +271,85 @@ class Run:
                 return metric, axis, xs, [points[x] for x in xs]
         return None
 
+    def round_points(self) -> tuple[str, list[float], list[float]] | None:
+        """(metric, bytes uploaded per client by each round, accuracy after it) from the rows of
+        a run with ≥ 2 rounds that logged a per-round accuracy, or None."""
+        sent = {_round_of(row): row["comm/bytes_up_per_client"] for row in self.rows
+                if "comm/bytes_up_per_client" in row}
+        for metric in ("round/test_acc", "val/acc"):
+            scores = {_round_of(row): row[metric] for row in self.rows if metric in row}
+            rounds = sorted(r for r in scores if r in sent)
+            if len(rounds) >= 2:
+                return metric, [sent[r] for r in rounds], [scores[r] for r in rounds]
+        return None
+
+
+def _round_of(row: dict[str, float]) -> float:
+    # Lightning's epochs count from 0; rows a method logs itself carry its step (the round)
+    return row["epoch"] + 1 if "epoch" in row else row.get("step", math.nan)
+
 
 def find_runs(paths: list[str | Path]) -> list[Run]:
-    """Every run folder (one holding `metrics.csv`) at or below the given paths, each once."""
+    """Every run at or below the given paths, each once: each `version_N` folder (finished,
+    failed, running or stopped) and each sweep run folder whose status.json says it failed or
+    is running without having made a version folder."""
     folders: set[Path] = set()
+    statuses: dict[Path, dict[str, Any]] = {}
     for path in map(Path, paths):
         if not path.exists():
             raise FileNotFoundError(f"no such run folder: {path}")
-        own = path / "metrics.csv"
-        found = [own] if own.exists() else path.rglob("metrics.csv")
-        folders.update(p.parent.resolve() for p in found)
-    if not folders:
+        candidates = [path, *path.rglob("*")] if path.is_dir() else []
+        for candidate in candidates:
+            if not candidate.is_dir():
+                continue
+            if (candidate / "metrics.csv").exists() or (
+                    VERSION.fullmatch(candidate.name) and "wandb" not in candidate.parts):
+                folders.add(candidate.resolve())
+            elif (candidate / "status.json").exists() and not any(candidate.glob("version_*")):
+                statuses[candidate.resolve()] = _sweep_status(candidate)
+    if not folders and not statuses:
         raise ValueError(f"no runs (folders with a metrics.csv) in {', '.join(map(str, paths))}; "
                          "make some with `python -m workbench fit --config configs/X.yaml` or "
                          "`python -m workbench sweep sweeps/X.yaml`")
-    return [Run.load(folder) for folder in sorted(folders)]
+    runs = [Run.load(folder) for folder in sorted(folders)]
+    runs += [Run.from_status(folder, status) for folder, status in sorted(statuses.items())
+             if status.get("status") in ("failed", "running")]
+    # Named below the deepest folder that holds every run's <run_name>/version_N (or sweep run
+    # folder), so that runs of two sweeps with equal values keep distinct names.
+    root = Path(os.path.commonpath([run.path.parent.parent if VERSION.fullmatch(run.path.name)
+                                    else run.path.parent for run in runs]))
+    for run in runs:
+        run.root = root
+    return runs
+
+
+def repeats(runs: list[Run]) -> list[list[Run]]:
+    """Runs grouped into repeats (equal settings but for seeds), in order of first appearance."""
+    groups: dict[tuple, list[Run]] = {}
+    for run in runs:
+        groups.setdefault(run.setting(), []).append(run)
+    return list(groups.values())
+
+
+def mean_std(values: list[float]) -> tuple[float, float, int]:
+    """(mean, sample standard deviation, n) of the finite values; (nan, nan, 0) when none."""
+    finite = [value for value in values if math.isfinite(value)]
+    if not finite:
+        return math.nan, math.nan, 0
+    mean = sum(finite) / len(finite)
+    if len(finite) == 1:
+        return mean, 0.0, 1
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in finite) / (len(finite) - 1)), len(finite)
+
+
+def differences(settings: list[tuple]) -> list[str]:
+    """For each setting, `leaf=value` of the keys whose values differ among them (what tells
+    apart lines that would otherwise share a label); '' where nothing differs."""
+    as_dicts = [dict(setting) for setting in settings]
+    keys = sorted({key for d in as_dicts for key in d})
+    varying = [key for key in keys if len({d.get(key) for d in as_dicts}) > 1]
+    def text(value: str) -> str:  # settings hold reprs: 'none' is shown as none
+        return value[1:-1] if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"" else value
+
+    return [", ".join(f"{short_key(key).rsplit('.', 1)[-1]}={text(d.get(key, '—'))}" for key in varying)
+            for d in as_dicts]
