@@ -14,13 +14,18 @@ def _first_line(obj) -> str:
     return doc.split("\n\n")[0].replace("\n", " ").strip()
 
 
-def methods() -> list[tuple[str, str]]:
+def method_classes() -> list[type]:
+    """Every method `workbench.methods` exports, in its order (the names `--model` accepts)."""
     import workbench.methods as module
     from workbench.methods import FederatedMethod
 
     found = [getattr(module, name) for name in module.__all__]
-    return [(cls.__name__, _first_line(cls)) for cls in found
+    return [cls for cls in found
             if isinstance(cls, type) and issubclass(cls, FederatedMethod) and cls is not FederatedMethod]
+
+
+def methods() -> list[tuple[str, str]]:
+    return [(cls.__name__, _first_line(cls)) for cls in method_classes()]
 
 
 def datasets() -> list[tuple[str, str]]:

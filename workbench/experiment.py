@@ -33,6 +33,7 @@ from pathlib import Path
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from workbench.catalog import method_classes
 from workbench.console import DEBUG_ENV, condense_parse_error
 from workbench.data import FederatedDataModule
 from workbench.engines import LightningEngine
@@ -118,14 +119,6 @@ def newest_last_checkpoint(run_folder: Path, exclude: Path | None = None) -> Pat
     return max(found, key=number)
 
 
-def _method_names() -> list[str]:
-    import workbench.methods as methods
-
-    return [name for name in methods.__all__
-            if isinstance(cls := getattr(methods, name), type) and issubclass(cls, FederatedMethod)
-            and cls is not FederatedMethod]
-
-
 def _settings(class_path: str) -> list[str]:
     """The constructor's keyword names of the class at `class_path` (for close matches)."""
     from importlib import import_module
@@ -147,7 +140,7 @@ class WorkbenchParser(LightningArgumentParser):
             super().error(message, ex)
         command = (getattr(ex, "subcommand_parser", None) or self).prog.split()[-1]
         command = command if command in ("fit", "validate", "test") else "<command>"
-        choices = {"model": _method_names(), "data": ["FederatedDataModule"]}
+        choices = {"model": [cls.__name__ for cls in method_classes()], "data": ["FederatedDataModule"]}
         print(f"usage: python -m workbench {command} --config FILE [--key=value ...]   "
               f"(python -m workbench {command} --help lists the keys)\n"
               f"error: {condense_parse_error(message, choices, _settings)}", file=sys.stderr)
