@@ -47,6 +47,11 @@ def _wandb_hosts() -> list[str]:
     return ["api.wandb.ai", *([urlparse(base_url).hostname] if urlparse(base_url).hostname else [])]
 
 
+def sweep_name() -> str | None:
+    """The sweep this run belongs to: the offline runner's name, or a W&B agent's sweep id."""
+    return os.environ.get(SWEEP_ENV) or os.environ.get("WANDB_SWEEP_ID")
+
+
 PARAMS_ENV = "WORKBENCH_SWEEP_PARAM_PATH"  # the agent's file, kept for a DDP fit's other processes
 
 
@@ -116,7 +121,7 @@ def make_loggers(method, datamodule, *, run_dir: str, run_name: str | None, wand
             os.environ[PARAMS_ENV] = os.environ.pop("WANDB_SWEEP_PARAM_PATH")
 
         info = datamodule.describe()
-        sweep = os.environ.get(SWEEP_ENV) or os.environ.get("WANDB_SWEEP_ID")
+        sweep = sweep_name()
         loggers.append(WandbLogger(
             # Beside the versions, not inside one: the CSV logger wants its version folder empty.
             project=wandb_project, name=name, save_dir=str(Path(run_dir) / name), mode=mode,
@@ -146,7 +151,7 @@ def log_hparams(trainer, engine, datamodule, engine_name: str = "lightning") -> 
                "data": public(datamodule.hparams_initial),
                "federation": vars(engine.federation),  # dropouts, secure aggregation, noise
                "engine": engine_name, "processes": trainer.world_size,
-               "sweep": os.environ.get(SWEEP_ENV) or os.environ.get("WANDB_SWEEP_ID"),
+               "sweep": sweep_name(),
                "run_folder": str(Path(log_dir).resolve()) if log_dir else None}
     for logger in trainer.loggers:
         logger.log_hyperparams(hparams)
