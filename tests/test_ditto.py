@@ -44,9 +44,9 @@ def test_personal_models_start_at_w0_as_client_state():
     method.setup(Problem((8,), 4, 7))
     half = method.client_half()
     half.setup_clients(torch.tensor([1, 4, 6]), 30)
-    assert half.personal.shape == (3, P)
-    assert torch.equal(half.personal, initial_weights(seed=6).float().repeat(3, 1))
-    assert "personal" in half.state_dict()  # checkpoints keep them
+    assert len(half.personal) == 0  # no client has trained one yet: every v_k reads as w₀
+    assert torch.equal(half.personal.read(torch.tensor([1, 4, 6])), initial_weights(seed=6).float().repeat(3, 1))
+    assert {"personal.ids", "personal.rows"} <= set(half.state_dict())  # checkpoints keep them
     assert Ditto.personalized and Ditto.global_model
     logits = half.predict(torch.randn(4, 8), torch.tensor([1, 2, 4, 5]))  # 2 and 5: another process's
     assert (logits[[1, 3]] == 0).all() and (logits[[0, 2]] != 0).any()
@@ -57,7 +57,8 @@ def test_personal_models_stay_nearer_the_global_model_as_lambda_grows():
     distances = []
     for lam in (0.0, 1.0, 4.0, 9.0):
         engine, _ = fitted(Ditto(lam=lam, num_rounds=1, local_epochs=3, seed=1, **SMALL))
-        distances.append((engine.client_half.personal - initial_weights(seed=1)).norm(dim=1))
+        personal = engine.client_half.personal.read(torch.arange(5))
+        distances.append((personal - initial_weights(seed=1)).norm(dim=1))
     for weaker, stronger in zip(distances, distances[1:]):
         assert (stronger < weaker).all()
     assert (distances[-1] < 0.5 * distances[0]).all()
@@ -68,7 +69,9 @@ def test_without_the_pull_personal_models_ignore_the_global_training():
     slow, _ = fitted(Ditto(lam=0.0, num_rounds=2, seed=3, server_lr=0.5, **SMALL))
     fast, _ = fitted(Ditto(lam=0.0, num_rounds=2, seed=3, server_lr=1.0, **SMALL))
     assert not torch.allclose(slow.method.flat_parameters(), fast.method.flat_parameters())
-    torch.testing.assert_close(slow.client_half.personal, fast.client_half.personal, rtol=0, atol=0)
+    clients = torch.arange(5)
+    torch.testing.assert_close(slow.client_half.personal.read(clients), fast.client_half.personal.read(clients),
+                               rtol=0, atol=0)
 
 
 def test_only_sampled_clients_train_their_personal_model():
@@ -78,8 +81,10 @@ def test_only_sampled_clients_train_their_personal_model():
     method.sample_clients = lambda available: drawn.append(original(available)) or drawn[-1]
     engine = fit64(method, data(num_clients=5))
     assert len(drawn) == 1 and len(drawn[0]) == 2  # one draw serves the personal and the global step
-    moved = (engine.client_half.personal != initial_weights(seed=0)).any(dim=1)
+    personal = engine.client_half.personal
+    moved = (personal.read(torch.arange(5)) != initial_weights(seed=0)).any(dim=1)
     assert moved.nonzero().squeeze(1).tolist() == drawn[0].tolist()
+    assert personal.ids.tolist() == drawn[0].tolist()  # rows only for the sampled clients
 
 
 def test_a_cohort_call_is_each_clients_call_alone():
@@ -100,7 +105,9 @@ def test_a_cohort_call_is_each_clients_call_alone():
         summed = sum(alone.half.client_update(round_index, broadcast, alone.cohort(k[None]))[0]["update"]
                      for k in alone.served)
         torch.testing.assert_close(total["update"], summed, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(together.half.personal, alone.half.personal, rtol=1e-12, atol=1e-12)
+    clients = torch.arange(5)
+    torch.testing.assert_close(together.half.personal.read(clients), alone.half.personal.read(clients),
+                               rtol=1e-12, atol=1e-12)
 
 
 def test_each_client_predicts_with_its_personal_model():
@@ -109,10 +116,12 @@ def test_each_client_predicts_with_its_personal_model():
     features, client_ids = dm.local_test_features.double(), dm.local_test_client_ids
     logits = half.predict(features, client_ids)
     for client in range(5):
-        params = {name: value[0] for name, value in half.flat.unflatten(half.personal[client:client + 1]).items()}
+        personal = half.personal.read(torch.tensor([client]))
+        params = {name: value[0] for name, value in half.flat.unflatten(personal).items()}
         mine = client_ids == client
         torch.testing.assert_close(logits[mine], functional_call(half.net, params, (features[mine],)))
-    assert not torch.allclose(half.personal[0], half.personal[1])
+    first, second = half.personal.read(torch.tensor([0, 1]))
+    assert not torch.allclose(first, second)
 
 
 def test_personalization_beats_the_global_model_on_skewed_clients():

@@ -27,6 +27,9 @@ METHODS = {
     "deepafl": (["--model=DeepAFL", "--model.num_layers=2", "--model.hidden_dim=16", "--model.block_dim=16"],
                 None, None, "TERM", 2),
     "osfed": (["--model=OSFED", "--model.hidden_dim=8", "--model.lbfgs_steps=5"], 3, 3, "TERM", 1),
+    # sampled clients: the checkpoint's table of control variates holds only those that took part
+    "scaffold_sampled": (["--model=SCAFFOLD", "--model.architecture=linear", "--model.sample_fraction=0.5"],
+                         4, 4, "TERM", 1),
 }
 
 

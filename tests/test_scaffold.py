@@ -33,7 +33,7 @@ def test_with_one_local_step_every_round_is_fedavgs():
     fit64(fedavg, dm)
     reference = fedavg.flat_parameters()
     assert (scaffold.flat_parameters() - reference).norm() <= 1e-6 * reference.norm()
-    assert engine.client_half.control.abs().sum() > 0  # the controls are not zero, they cancel
+    assert engine.client_half.control.rows.abs().sum() > 0  # the controls are not zero, they cancel
 
 
 def test_controls_are_client_state_and_only_sampled_clients_update_theirs():
@@ -44,14 +44,16 @@ def test_controls_are_client_state_and_only_sampled_clients_update_theirs():
     method.sample_clients = lambda available: drawn.append(original(available)) or drawn[-1]
     engine = fit64(method, dm)
     half = engine.client_half
-    assert torch.equal(half.served, torch.arange(10)) and "control" in half.state_dict()
+    assert torch.equal(half.served, torch.arange(10)) and "control.rows" in half.state_dict()
     ever = torch.zeros(10, dtype=torch.bool)
     ever[torch.cat(drawn)] = True
     assert len({tuple(c.tolist()) for c in drawn}) > 1
-    assert torch.equal(half.control.abs().sum(1) > 0, ever)  # only clients that took part moved c_i
+    controls = half.control.read(torch.arange(10))
+    assert torch.equal(controls.abs().sum(1) > 0, ever)  # only clients that took part moved c_i
+    assert torch.equal(half.control.ids, ever.nonzero().squeeze(1))  # and only they hold a row
     # c ← c + ΣΔc_i / N from c = c_i = 0: the server's c is the mean of every client's c_i
     # (as sent, rounded to float32)
-    torch.testing.assert_close(method.control, half.control.sum(0) / 10, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(method.control, controls.sum(0) / 10, rtol=1e-6, atol=1e-7)
     assert engine.fit_metrics["scaffold/control_norm"] == pytest.approx(float(method.control.norm()))
 
 
@@ -66,16 +68,16 @@ def test_option_two_control_update():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(P, generator=gen, dtype=torch.float64) * 0.3
     c = torch.randn(P, generator=gen, dtype=torch.float64) * 0.01
-    half.control.copy_(torch.randn(4, P, generator=gen, dtype=torch.float64) * 0.01)
-    before = half.control.clone()
+    before = torch.randn(4, P, generator=gen, dtype=torch.float64) * 0.01
+    half.control.write(torch.arange(4), before)
     cohort = clients.cohort(torch.tensor([1, 3]))
     uploads, _ = half.client_update(1, {"weights": x, "control": c}, cohort)
     y = half.flat.flatten(half.local_sgd(1, cohort, correction=half.flat.unflatten(c - before[[1, 3]])))
     n = torch.bincount(dm.train_client_ids, minlength=4)[[1, 3]].double()
     steps = 2 * torch.ceil(n / 32)
     expected = before[[1, 3]] - c + (x - y) / (steps[:, None] * 0.1)
-    torch.testing.assert_close(half.control[[1, 3]], expected, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(half.control[[0, 2]], before[[0, 2]], rtol=0, atol=0)
+    torch.testing.assert_close(half.control.read(torch.tensor([1, 3])), expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(half.control.read(torch.tensor([0, 2])), before[[0, 2]], rtol=0, atol=0)
     torch.testing.assert_close(uploads["delta_y"], (y - x).float().double().sum(0), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(uploads["delta_c"], (expected - before[[1, 3]]).sum(0), rtol=1e-6, atol=1e-7)
 
@@ -95,7 +97,9 @@ def test_a_cohort_call_is_the_sum_of_each_clients_call_alone():
         rows = [alone.half.client_update(round_index, broadcast, alone.cohort(k[None]))[0] for k in alone.served]
         for name in ("delta_y", "delta_c"):
             torch.testing.assert_close(total[name], sum(r[name] for r in rows), rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(together.half.control, alone.half.control, rtol=1e-10, atol=1e-12)
+    clients = torch.arange(6)
+    torch.testing.assert_close(together.half.control.read(clients), alone.half.control.read(clients),
+                               rtol=1e-10, atol=1e-12)
 
 
 def test_bytes_are_twice_fedavgs(fit_method):

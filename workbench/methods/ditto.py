@@ -15,8 +15,9 @@ Personalization" (ICML 2021). Round t, global model w_t, sampled clients k:
    from the seed).
 
 The personal models are client state: the client half (`DittoClient`) keeps them in a
-(clients served, P) buffer (`personal`), so a checkpoint holds them and a Flower node keeps its
-own; the cohort's personal steps run vectorized like the global ones, each client shuffling with
+`ClientTable` (`personal`: a row for each client that has trained one, w₀ for the others, so a
+cohort-sampled run holds the sampled clients' only), a checkpoint holds them and a Flower node
+keeps its own; the cohort's personal steps run vectorized like the global ones, each client shuffling with
 a stream of its own. A client predicts with its own v_k (`DittoClient.predict`, the personalized
 protocol's local tests); `forward` is the global model w. Upload bytes and rounds are FedAvg's:
 v_k stays on the client.
@@ -27,12 +28,14 @@ import torch
 from torch import Tensor
 from torch.func import functional_call
 
+from workbench.federation.client_state import ClientTable
 from workbench.methods.base import Cohort, Problem
 from workbench.methods.fedavg import PERSONAL, FedAvg, FedAvgClient
 
 
 class DittoClient(FedAvgClient):
-    """FedAvg's clients, each also keeping its personal model v_k (`personal`: (served, P))."""
+    """FedAvg's clients, each also keeping its personal model v_k (`personal`: a `ClientTable`
+    holding the clients that have trained one; the others' is still w₀)."""
 
     def __init__(self, problem: Problem, method: Ditto) -> None:
         super().__init__(problem, method)
@@ -41,17 +44,17 @@ class DittoClient(FedAvgClient):
 
     def setup_state(self) -> None:
         super().setup_state()
-        self.register_buffer("personal", self.initial.repeat(self.num_served, 1))
+        self.personal = ClientTable(self.initial)
 
     def client_update(self, round_index, broadcast, cohort: Cohort):
         self.receive(broadcast)
         if len(cohort.clients):
             # The personal step first: its proximal centre is w_t, the model just received.
-            s, slots = self.settings, self.client_slots(cohort.clients)
+            s = self.settings
             trained = self.local_sgd(round_index, cohort, PERSONAL, epochs=s["personal_epochs"],
                                      lr=s["personal_lr"], prox_mu=s["lam"],
-                                     init=self.flat.unflatten(self.personal[slots]))
-            self.personal[slots] = self.flat.flatten(trained)
+                                     init=self.flat.unflatten(self.personal.read(cohort.clients)))
+            self.personal.write(cohort.clients, self.flat.flatten(trained))
         return super().client_update(round_index, broadcast, cohort)  # FedAvg's global step
 
     @torch.no_grad()
@@ -59,13 +62,14 @@ class DittoClient(FedAvgClient):
         """Each sample under its client's personal model v_k: (n, *input_shape), (n,) -> (n, C);
         a client this half does not serve (another process's, or without training data) predicts
         zeros, as the other personalized methods' (the processes' predictions add up)."""
-        logits = torch.zeros(len(features), self.num_classes, dtype=self.personal.dtype, device=features.device)
-        slots, known = self.served_slots(client_ids)
-        for slot in torch.unique(slots[known]).tolist():
-            mine = known & (slots == slot)
-            params = {name: value[0] for name, value in
-                      self.flat.unflatten(self.personal[slot:slot + 1]).items()}
-            logits[mine] = functional_call(self.net, params, (features[mine].to(self.personal.dtype),))
+        dtype = self.initial.dtype
+        logits = torch.zeros(len(features), self.num_classes, dtype=dtype, device=features.device)
+        _, known = self.served_slots(client_ids)
+        clients = torch.unique(client_ids[known])
+        for client, personal in zip(clients.tolist(), self.personal.read(clients)):
+            mine = known & (client_ids == client)
+            params = {name: value[0] for name, value in self.flat.unflatten(personal[None]).items()}
+            logits[mine] = functional_call(self.net, params, (features[mine].to(dtype),))
         return logits
 
 

@@ -24,7 +24,8 @@ own control variate c_i (c_i = 0 until it first takes part). Round t:
 
 With full participation c stays the mean of the c_i; with one local step (a client's whole data
 in one batch) c_i⁺ = g_i(x) and the round is FedAvg's, whatever c and c_i were (tested). The
-client half keeps the c_i of the clients it serves (`control`, (clients served, P)); a dropped
+client half keeps the c_i of the clients that have trained (`control`, a `ClientTable`: a row per
+client that has taken part, none for the never-sampled ones); a dropped
 client computes and keeps its c_i⁺ although its upload is lost, as a FedAvg client keeps its
 error feedback. The broadcast is x and c, twice FedAvg's after round 0; the final broadcast is
 x alone (predictions need no c).
@@ -37,6 +38,7 @@ import torch
 from torch import Tensor
 
 from workbench.federation.compression import as_sent
+from workbench.federation.client_state import ClientTable
 from workbench.federation.local_training import local_steps
 from workbench.federation.privacy import WITHIN_CLIP, clip_client_updates
 from workbench.methods.base import SUMMED, Cohort, Problem, RoundPlan
@@ -47,17 +49,17 @@ class ScaffoldClient(FedAvgClient):
     """SCAFFOLD's clients: corrected local SGD; each keeps its control variate c_i (`control`)."""
 
     def setup_state(self) -> None:
-        self.register_buffer("control", torch.zeros(self.num_served, self.flat.vector().numel(),
-                                                    dtype=self.dtype))
+        # c_i for the clients that have taken part; c_i = 0 for the others
+        self.control = ClientTable(torch.zeros(self.flat.vector().numel(), dtype=self.dtype))
 
     def client_update(self, round_index, broadcast, cohort: Cohort):
         self.receive(broadcast)
         if len(cohort.clients) == 0:
             return {}, {}
-        s, slots = self.settings, self.client_slots(cohort.clients)
+        s = self.settings
         x = self.flat.vector()
         c = broadcast["control"].to(x) if "control" in broadcast else torch.zeros_like(x)  # c₀ = 0
-        c_i = self.control[slots]  # (m, P)
+        c_i = self.control.read(cohort.clients)  # (m, P)
         y = self.flat.flatten(self.local_sgd(round_index, cohort, correction=self.flat.unflatten(c - c_i)))
         steps = local_steps(cohort.client_ids, cohort.clients, epochs=s["local_epochs"],
                             batch_size=s["local_batch_size"]).to(x)
@@ -66,7 +68,7 @@ class ScaffoldClient(FedAvgClient):
         new_c_i = torch.where(trained[:, None], c_i - c + (x - y) / (steps.clamp_min(1)[:, None] * s["lr"]), c_i)
         # what crosses the wire; under client-level DP (Δy, Δc) clipped as one vector per client
         sent, count = clip_client_updates({"delta_y": as_sent(y - x), "delta_c": as_sent(new_c_i - c_i)}, broadcast)
-        self.control[slots] = new_c_i
+        self.control.write(cohort.clients[trained], new_c_i[trained])
         return {name: value.sum(0) for name, value in sent.items()} | count, {}
 
 
