@@ -46,12 +46,16 @@ PROTOCOLS = {
     "dp": Federation(dp_sigma=1e-3, seed=2),
     # client-level DP: per-client clipping (adaptive, from the noised count of clients within C) and noise
     "client_dp": Federation(dp_clip=0.05, dp_noise_multiplier=0.5, dp_clip_quantile=0.5, seed=2),
+    # a cohort of 2 of the 3 clients each round: a client must catch up on what it missed
+    "sampled": Federation(sample_rate=0.67, seed=2),
 }
 
 
 def supports(name: str, protocol: str) -> bool:
     if protocol == "client_dp":
         return METHODS[name][0]().clips_updates  # clients that upload summed updates
+    if protocol == "sampled":  # methods that sample with their own sample_fraction refuse a second sampler
+        return name != "LocalOnly" and getattr(METHODS[name][0](), "sample_fraction", 1.0) == 1.0
     if protocol in ("secure", "dp"):
         return name != "OSFED"  # stacked snapshots: refused with a clear error (tested elsewhere)
     return name != "LocalOnly"  # no round to drop out of

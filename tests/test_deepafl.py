@@ -214,17 +214,51 @@ def test_dropouts_give_the_centralized_solves_on_each_rounds_participants(fit_me
     assert engine.fit_metrics["comm/bytes_down"] == down * num_clients
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_sampled_cohorts_give_the_centralized_solves_on_each_rounds_cohort(fit_method, schedule):
+    """Under cohort sampling, as under dropouts, each round solves on its cohort's rows; a client
+    that missed rounds receives the Ω_t it lacks with the broadcast (and every client, sampled or
+    not, all it lacks with the final one), so its rebuilt Φ is the model's."""
+    num_clients, num_layers = 6, 3
+    dm = data(partition="dirichlet", alpha=0.5, num_clients=num_clients, batch_size=64)
+    federation = Federation(sample_rate=0.5, seed=3)
+    settings = dict(num_layers=num_layers, gamma=1.0, gamma_s=0.05, seed=2, **SMALL)
+    available = torch.arange(num_clients)
+
+    def cohort(round_index: int) -> torch.Tensor:
+        return torch.isin(dm.train_client_ids, federation.sampled_clients(round_index, available))
+
+    if schedule == "fused":
+        omega_rows, classifier_rows = cohort, cohort
+    else:
+        omega_rows, classifier_rows = (lambda t: cohort(2 * t - 1)), (lambda t: cohort(2 * t))
+    classifiers, omegas = reference_fit(dm, **settings, omega_rows=omega_rows, classifier_rows=classifier_rows)
+    method = DeepAFL(schedule=schedule, **settings)
+    engine = fit_method(method, dm, federation)
+    for t, classifier in enumerate(classifiers):
+        assert relative_error(method.classifier[t], classifier) <= 1e-8, t
+    for t, omega in enumerate(omegas):
+        assert relative_error(method.omega[t], omega) <= 1e-8, t
+    assert len({tuple(cohort(r).tolist()) for r in range(method.num_rounds)}) > 1
+    # the clients' half holds every Ω_t after the final broadcast, and scores as the server does
+    torch.testing.assert_close(engine.client_half.omega, method.omega, rtol=0, atol=0)
+
+
 def test_without_dropouts_the_fused_clients_send_no_restated_statistics():
     method = DeepAFL(num_layers=2, **SMALL)
     dm = data(partition="iid", num_clients=2)
     method.setup(Problem((dm.feature_dim,), dm.num_classes, dm.num_clients))
+    clients = torch.arange(2)
     assert not method.restates
     method.rounds_done += 1
-    assert set(method.broadcast()) == {"classifier"}
+    assert set(method.plan_round(clients).broadcast) == {"classifier"}
     method.rounds_done += 1
-    assert set(method.broadcast()) == {"classifier", "omega"}
+    assert set(method.plan_round(clients).broadcast) == {"classifier", "omega"}
     method.federation = Federation(dropout=0.2)
-    assert method.restates and set(method.broadcast()) == {"classifier", "omega", "restate"}
+    method.rounds_done += 1
+    assert method.restates and set(method.plan_round(clients).broadcast) == {"classifier", "omega", "restate"}
+    method.federation = Federation(sample_rate=0.5)
+    assert method.restates
 
 
 @pytest.mark.parametrize("activation", ["gelu", "relu", "tanh", "sigmoid"])
@@ -343,7 +377,8 @@ def test_one_cohort_call_is_the_sum_of_each_clients_own_call_in_every_round(sche
         alone[k] = LocalClients(own, dm.train_features[mine], dm.train_labels[mine], dm.train_client_ids[mine],
                                 torch.tensor([k]), batch_size=7)
     for round_index in range(method.num_rounds):
-        broadcast = {name: value.clone() for name, value in method.broadcast().items()}
+        plan = method.plan_round(together.served)
+        broadcast = {name: value.clone() for name, value in plan.broadcast.items()}
         uploads, _ = together.half.client_update(round_index, broadcast, together.data)
         summed = {}
         for clients in alone.values():
@@ -372,7 +407,7 @@ def test_a_round_costs_one_layer_and_a_client_without_its_cache_rebuilds_it(monk
                         lambda self, phi, layer: blocks.append(layer) or original(self, phi, layer))
     for round_index in range(method.num_rounds):
         blocks.clear()
-        broadcast = method.broadcast()
+        broadcast = method.plan_round(clients.served).broadcast
         uploads, _ = clients.half.client_update(round_index, broadcast, clients.data)
         layer = round_index if fused else (round_index + 1) // 2
         assert blocks == ([] if round_index == 0 else [layer]), round_index

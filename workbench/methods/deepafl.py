@@ -86,7 +86,7 @@ import torch.nn.functional as nnf
 from torch import Tensor, nn
 
 from workbench.linalg import class_sums, identity_like, solve_spd
-from workbench.methods.base import SUMMED, SYMMETRIC, ClientHalf, Cohort, FederatedMethod, Problem
+from workbench.methods.base import SUMMED, SYMMETRIC, ClientHalf, Cohort, FederatedMethod, Problem, RoundPlan
 
 ACTIVATIONS = {"gelu": nnf.gelu, "relu": torch.relu, "tanh": torch.tanh, "sigmoid": torch.sigmoid}
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -240,6 +240,13 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
         self.phi_depth[rows] = depth
         return phi
 
+    def _receive_omega(self, broadcast, layers: int) -> None:
+        """Keep the Ω_t a broadcast carries: the last of Ω_1..Ω_`layers`, as many as were sent (one
+        when the client took part in every round; more when cohort sampling made it miss some)."""
+        if "omega" in broadcast:
+            omega = broadcast["omega"].to(self.omega)
+            self.omega[layers - len(omega):layers] = omega
+
     def _check_seed(self, broadcast) -> None:
         if int(broadcast["seed"]) != self.seed:
             raise ValueError(f"the server's DeepAFL seed {int(broadcast['seed'])} differs from this client's "
@@ -264,8 +271,7 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
         layer, classes = round_index, self.num_classes
         h, f = self.hidden_dim, self.block_dim
         classifier = broadcast["classifier"].to(self.omega)  # W_{t−1}
-        if layer >= 2:
-            self.omega[layer - 2] = broadcast["omega"].to(self.omega)  # Ω_{t−1}
+        self._receive_omega(broadcast, layer - 1)  # Ω_{t−1} (and any missed before it)
         restate = bool(broadcast["restate"]) if "restate" in broadcast else False
         hidden_gram, mixed = self.omega.new_zeros(f, f), self.omega.new_zeros(h, f)
         hidden_labels = self.omega.new_zeros(f, classes)
@@ -290,8 +296,7 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
         return uploads, {}
 
     def finish(self, broadcast, cohort: Cohort):
-        if self.schedule == "fused" and "omega" in broadcast and self.num_layers > 0:
-            self.omega[self.num_layers - 1] = broadcast["omega"].to(self.omega)  # Ω_T, kept as the others
+        self._receive_omega(broadcast, self.num_layers)  # Ω_T (fused; any missed ones), kept as the others
         return {}
 
     def client_update(self, round_index, broadcast, cohort: Cohort):
@@ -303,8 +308,9 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
             self._check_seed(broadcast)
         elif solves_omega:
             classifier = broadcast["classifier"].to(self.omega)  # W_{t−1}
+            self._receive_omega(broadcast, layer - 1)  # only Ω_s a sampled-out client missed
         else:
-            self.omega[layer - 1] = broadcast["omega"].to(self.omega)  # Ω_t, kept to rebuild Φ
+            self._receive_omega(broadcast, layer)  # Ω_t (and any missed), kept to rebuild Φ
         side = f if solves_omega else h
         gram = self.omega.new_zeros(side, side)
         cross = self.omega.new_zeros(side, classes)
@@ -404,7 +410,7 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
     def restates(self) -> bool:
         """Whether fused rounds ask the clients for Φ_{t−1}ᵀΦ_{t−1} and Φ_{t−1}ᵀY again: under
         dropouts, where the server's kept sums may be over other clients than the round's."""
-        return self.fused and self.federation.dropout > 0
+        return self.fused and (self.federation.dropout > 0 or self.federation.sample_rate < 1)
 
     def setup_problem(self, problem: Problem) -> None:
         h, f, layers = self.hidden_dim, self.block_dim, self.num_layers
@@ -415,6 +421,8 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         self.register_buffer("omega", torch.zeros(layers, f, h, dtype=self.stat_dtype))  # Ω_t (T, f, h)
         self.register_buffer("classifier",  # W_t (T + 1, h, C), t = 0..T
                              torch.zeros(layers + 1, h, problem.num_classes, dtype=self.stat_dtype))
+        # how many Ω_t each client holds: a cohort's broadcast carries those its least informed lacks
+        self.register_buffer("omega_sent", torch.zeros(problem.num_clients, dtype=torch.long))
         if self.fused:  # G_t = ΣΦ_tᵀΦ_t and P_t = ΣΦ_tᵀY of the latest depth (checkpointed: a resumed fit needs them),
             # kept in SOLVE_DTYPE: the recursion adds to them every layer
             self.register_buffer("phi_gram", torch.zeros(h, h, dtype=SOLVE_DTYPE))
@@ -428,22 +436,33 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         return self.features_at_depth(features, self.depth) @ self.classifier[self.depth]
 
     # ---- rounds -----------------------------------------------------------------------------
-    def broadcast(self) -> dict[str, Tensor]:
+    def plan_round(self, available: Tensor) -> RoundPlan:
         """Round 0: the seed of the random layers (SEED_BYTES); the Ω_t round: W_{t−1}; the W_t round: Ω_t.
-        Fused round t: W_{t−1} and Ω_{t−1} (t ≥ 2), and under dropouts the `restate` flag (1 byte)."""
+        Fused round t: W_{t−1} and Ω_{t−1} (t ≥ 2), and under dropouts or cohort sampling the
+        `restate` flag (1 byte). Ω goes as a stack (`_with_omega`): one Ω_t when every client took
+        part in every round, more when a sampled cohort holds a client that missed some."""
         layer, solves_omega = round_plan(self.round, self.schedule)
         if self.round == 0:
-            return {"seed": torch.tensor(self.seed, dtype=torch.int64)}
-        if self.fused:
-            message = {"classifier": self.classifier[layer - 1]}
-            if layer >= 2:
-                message["omega"] = self.omega[layer - 2]
-            if self.restates:
-                message["restate"] = torch.tensor(True)
-            return message
-        if solves_omega:
-            return {"classifier": self.classifier[layer - 1]}
-        return {"omega": self.omega[layer - 1]}
+            return RoundPlan(available, {"seed": torch.tensor(self.seed, dtype=torch.int64)})
+        message = {"classifier": self.classifier[layer - 1]} if self.fused or solves_omega else {}
+        if self.fused and self.restates:
+            message["restate"] = torch.tensor(True)
+        layers = self._omega_needed(self.round)
+        message = self._with_omega(message, available, layers)
+        self.omega_sent[available] = layers
+        return RoundPlan(available, message)
+
+    def _omega_needed(self, round_index: int) -> int:
+        """How many Ω_t (Ω_1..Ω_t) round `round_index`'s clients need: those below its layer t, and Ω_t
+        itself in a W_t round of `two_round`."""
+        layer, solves_omega = round_plan(round_index, self.schedule)
+        return max(layer - 1, 0) if self.fused or solves_omega else layer
+
+    def _with_omega(self, message: dict[str, Tensor], clients: Tensor, layers: int) -> dict[str, Tensor]:
+        """`message` and, under `omega`, Ω_{s+1..layers}: what the least informed of `clients` lacks
+        (s = the fewest Ω_t any of them holds); none when they hold them all."""
+        known = int(self.omega_sent[clients].min()) if len(clients) else layers
+        return {**message, "omega": self.omega[known:layers]} if known < layers else message
 
     def _solve_classifier(self, layer: int, gram: Tensor, cross: Tensor) -> None:
         """W_t from SOLVE_DTYPE sums, kept (and broadcast) in the model's dtype."""
@@ -491,10 +510,19 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         return {}
 
     def final_broadcast(self) -> dict[str, Tensor]:
-        """W_T, the classifier of the last depth (fused, T ≥ 1: with Ω_T, not sent before)."""
-        if self.fused and self.depth > 0:
-            return {"omega": self.omega[self.depth - 1], "classifier": self.classifier[self.depth]}
-        return {"classifier": self.classifier[self.depth]}
+        """W_T, the classifier of the last depth, and the Ω_t some client lacks: Ω_T in `fused`
+        (not sent before), and under cohort sampling those a client missed (every client receives
+        the final model, sampled or not: all Ω_t when one never took part)."""
+        everyone = torch.arange(self.problem.num_clients, device=self.omega_sent.device)
+        return self._with_omega({"classifier": self.classifier[self.depth]}, everyone, self.depth)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        # a checkpoint from before `omega_sent` was kept: every client took part in every round
+        rounds = state_dict.get(prefix + "rounds_done")
+        if rounds is not None and prefix + "omega_sent" not in state_dict:
+            sent = self._omega_needed(int(rounds) - 1) if int(rounds) > 0 else 0
+            state_dict[prefix + "omega_sent"] = torch.full_like(self.omega_sent, sent)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     # ---- accuracy at every depth ------------------------------------------------------------
     def _evaluation_features(self, key: tuple, features: Tensor, depth: int) -> Tensor:
