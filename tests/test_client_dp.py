@@ -16,7 +16,7 @@ from workbench.federation.privacy import (
     gaussian_statistics_epsilon,
     ridge_sensitivity,
 )
-from workbench.methods import AFL, SCAFFOLD, FedAvg, FedProx
+from workbench.methods import AFL, SCAFFOLD, DeepAFL, FedAvg, FedProx
 from workbench.methods.base import Cohort
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -186,6 +186,46 @@ def test_a_run_over_its_privacy_budget_is_refused_before_its_first_round(fit_met
     assert engine.fit_metrics["privacy/epsilon"] == spent
     with pytest.raises(ValueError, match="over the budget"):  # noisy statistics too
         fit_method(AFL(gamma_out=100.0), dm, Federation(dp_sigma=1.0, feature_clip=1.0, target_epsilon=1.0))
+
+
+@pytest.mark.parametrize("activation, sampled", [("gelu", False), ("tanh", True)])
+def test_deepafl_states_a_sensitivity_that_every_sample_respects(fit_method, activation, sampled):
+    """With ‖Ω_t‖₂ ≤ c, what one sample adds to any fused round's uploads is within the stated Δ,
+    whatever the feature scale (no feature clipping); ε composes the T + 1 rounds."""
+    dm = data(num_clients=6)
+    dm.train_features.mul_(50)  # far beyond any clip: layer 0's tanh bounds Φ₀ anyway
+    method = DeepAFL(num_layers=3, hidden_dim=12, block_dim=10, activation=activation, gamma_s=1.0,
+                     omega_norm=0.5, seed=1)
+    federation = Federation(dp_sigma=1e-3, sample_rate=0.5 if sampled else 1.0, seed=3)
+    engine = fit_method(method, dm, federation)
+    sensitivity = method.statistics_sensitivity(0.0)
+    assert engine.fit_metrics["privacy/epsilon"] == pytest.approx(
+        gaussian_epsilon(1e-3 / math.sqrt(method.num_rounds), sensitivity), rel=1e-12)
+    assert all(torch.linalg.matrix_norm(omega, 2) <= 0.5 * (1 + 1e-12) for omega in method.omega)
+    assert (torch.linalg.matrix_norm(method.omega, 2) > 0.4).any()  # the bound was reached: it binds
+    phi = method.input_features(dm.train_features)
+    worst = (phi.norm(dim=1) ** 4 + phi.norm(dim=1) ** 2).max()
+    for layer in range(1, method.num_layers + 1):
+        hidden = method.block_features(phi, layer)
+        f, p = hidden.norm(dim=1), phi.norm(dim=1)
+        added = f ** 4 + f ** 2 + (p * f) ** 2 + ((p ** 4 + p ** 2) if sampled else 0)  # ffᵀ, f yᵀ, φfᵀ (φφᵀ, φyᵀ)
+        worst = max(worst, added.max())
+        phi = method.next_features(phi, layer)
+    assert float(worst.sqrt()) <= sensitivity
+    with pytest.raises(ValueError, match="over the budget"):  # and a budget below it is refused up front
+        fit_method(DeepAFL(num_layers=3, hidden_dim=12, block_dim=10, omega_norm=0.5), dm,
+                   Federation(dp_sigma=1e-3, target_epsilon=1.0))
+
+
+def test_deepafl_states_no_sensitivity_without_a_bound_on_omega():
+    from workbench.methods.base import Problem
+
+    for method in (DeepAFL(num_layers=2, hidden_dim=8, block_dim=8),
+                   DeepAFL(num_layers=2, hidden_dim=8, block_dim=8, omega_norm=1.0, schedule="two_round")):
+        method.setup(Problem((4,), 3, 2))
+        assert method.statistics_sensitivity(1.0) is None
+    with pytest.raises(ValueError, match="omega_norm must be > 0"):
+        DeepAFL(omega_norm=0.0)
 
 
 def test_bad_privacy_settings_name_their_fix(fit_method):

@@ -274,12 +274,15 @@ def check_budget(epsilon: float, protocol: Federation, what: str) -> None:
 def gaussian_statistics_epsilon(method, protocol: Federation, rounds: int) -> float | None:
     """ε at δ of `rounds` releases of statistics noised with `dp_sigma` under `feature_clip` B, each of
     the method's stated sensitivity Δ(B) (`FederatedMethod.statistics_sensitivity`); None where no
-    such guarantee is configured or stated. T Gaussian mechanisms of multiplier σ/Δ compose exactly
-    into one of multiplier σ/(Δ√T) (Gaussian DP; dp-accounting's PLD accountant agrees, tested);
-    cohort sampling would only lower it."""
-    if protocol.dp_sigma == 0 or protocol.feature_clip == 0 or rounds == 0:
-        return None if protocol.dp_sigma == 0 or protocol.feature_clip == 0 else 0.0
+    such guarantee is configured or stated (B = 0: rows unclipped, which some methods' own layers
+    bound). T Gaussian mechanisms of multiplier σ/Δ compose exactly into one of multiplier σ/(Δ√T)
+    (Gaussian DP; dp-accounting's PLD accountant agrees, tested); a Δ that bounds every round's
+    bounds their composition; cohort sampling would only lower it."""
+    if protocol.dp_sigma == 0:
+        return None
     sensitivity = method.statistics_sensitivity(protocol.feature_clip)
     if sensitivity is None:
         return None
+    if rounds == 0:
+        return 0.0
     return gaussian_epsilon(protocol.dp_sigma / math.sqrt(rounds), sensitivity, protocol.dp_delta)

@@ -240,7 +240,8 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
 
     def statistics_sensitivity(self, feature_norm: float) -> float | None:
         """The L2 sensitivity of one round's summed statistics to one sample whose feature row has
-        norm ≤ B (`federation.feature_clip`), for `privacy/epsilon` under `dp_sigma`; None: not stated."""
+        norm ≤ B (`federation.feature_clip`; 0: rows not clipped), for `privacy/epsilon` under
+        `dp_sigma`; None: not stated."""
         return None
 
     def head_logits(self, features: Tensor) -> dict[str, Tensor]:

@@ -80,6 +80,8 @@ for Ω_t, so J_t + γ_s‖Ω_t‖² ≤ J_{t−1}: the training risk never incre
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 import torch.nn.functional as nnf
@@ -270,7 +272,6 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
         and, when the server asks (`restate`, under dropouts), Φ_{t−1}ᵀΦ_{t−1} and Φ_{t−1}ᵀY."""
         layer, classes = round_index, self.num_classes
         h, f = self.hidden_dim, self.block_dim
-        classifier = broadcast["classifier"].to(self.omega)  # W_{t−1}
         self._receive_omega(broadcast, layer - 1)  # Ω_{t−1} (and any missed before it)
         restate = bool(broadcast["restate"]) if "restate" in broadcast else False
         hidden_gram, mixed = self.omega.new_zeros(f, f), self.omega.new_zeros(h, f)
@@ -288,9 +289,9 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
             if restate:
                 gram += phi.T @ phi
                 cross += class_sums(phi, part.labels, classes)
-        # FᵀR = FᵀY − FᵀΦ_{t−1}W_{t−1} = FᵀY − MᵀW_{t−1}
-        uploads = {"hidden_gram": hidden_gram, "hidden_residual": hidden_labels - mixed.T @ classifier,
-                   "mixed": mixed}
+        # FᵀY, not FᵀR = FᵀY − MᵀW_{t−1}: the server forms FᵀR from M (same bytes), and what one
+        # sample adds to the uploads is then bounded without W_{t−1} (`statistics_sensitivity`)
+        uploads = {"hidden_gram": hidden_gram, "hidden_labels": hidden_labels, "mixed": mixed}
         if restate:
             uploads.update(gram=gram, cross=cross)
         return uploads, {}
@@ -352,17 +353,21 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         schedule: `fused` (T + 1 rounds: Ω_t and W_t in one round, clients also upload
             M_t = Φ_{t−1}ᵀF_t) or `two_round` (2T + 1 rounds: Ω_t, then W_t). Same model; under
             `federation.dropout > 0` see the module docstring.
+        omega_norm: c, a bound on each Ω_t's spectral norm: the server scales a solved Ω_t down to
+            ‖Ω_t‖₂ ≤ c (unset: no bound, the paper's model). It bounds every sample's Φ_t by
+            constants alone, so that noise on the statistics (`federation.dp_sigma`) has a stated
+            sensitivity (`statistics_sensitivity`, fused schedule).
 
     After a fit, `depth_accuracy[t]` is the test accuracy of the model of depth t (also logged
     as `depth/test_acc` with step t, through `step_metrics`).
     """
 
     uploads = {"gram": SYMMETRIC, "cross": SUMMED, "hidden_gram": SYMMETRIC, "hidden_residual": SUMMED,
-               "mixed": SUMMED}
+               "hidden_labels": SUMMED, "mixed": SUMMED}
 
     def __init__(self, num_layers: int = 20, hidden_dim: int = 1024, block_dim: int = 1024,
                  activation: str = "gelu", gamma: float = 1.0, gamma_s: float = 0.05, seed: int = 0,
-                 dtype: str = "float64", schedule: str = "fused") -> None:
+                 dtype: str = "float64", schedule: str = "fused", omega_norm: float | None = None) -> None:
         super().__init__()
         if num_layers < 0:
             raise ValueError(f"num_layers (T) must be ≥ 0, got {num_layers}")
@@ -381,7 +386,9 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
-        self.schedule = schedule
+        if omega_norm is not None and not omega_norm > 0:
+            raise ValueError(f"omega_norm must be > 0 (a bound on each ‖Ω_t‖₂) or unset, got {omega_norm}")
+        self.schedule, self.omega_norm = schedule, omega_norm
         self.save_hyperparameters()
         self.num_layers, self.hidden_dim, self.block_dim = num_layers, hidden_dim, block_dim
         self.activation = ACTIVATIONS[activation]
@@ -464,6 +471,37 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         known = int(self.omega_sent[clients].min()) if len(clients) else layers
         return {**message, "omega": self.omega[known:layers]} if known < layers else message
 
+    def _omega_scale(self, spectral_norm: Tensor) -> float:
+        """The factor that brings ‖Ω_t‖₂ within `omega_norm` (1 without a bound, or within it)."""
+        if self.omega_norm is None or float(spectral_norm) <= self.omega_norm:
+            return 1.0
+        return self.omega_norm / float(spectral_norm)
+
+    def statistics_sensitivity(self, feature_norm: float) -> float | None:
+        """Δ of every fused round's uploads to one sample, from constants alone (`omega_norm` set):
+        ‖φ₀‖ ≤ √h (tanh); ‖F_t‖ ≤ c_F,t = √f for tanh/sigmoid, else ‖φ_{t−1}‖·‖B_t‖₂ + ‖b_t‖
+        (|relu(z)|, |gelu(z)| ≤ |z|); ‖φ_t‖ ≤ ‖φ_{t−1}‖ + c_F,t·c. One sample adds ffᵀ, f yᵀ and
+        φ fᵀ (and, restated, φφᵀ and φ yᵀ) to round t's uploads; round 0 adds φ₀φ₀ᵀ and φ₀yᵀ. The
+        largest round's Δ bounds them all (`feature_norm` is not needed: layer 0's tanh bounds Φ₀).
+        None without `omega_norm` or in `two_round`, whose FᵀR depends on the released W_{t−1}."""
+        if self.omega_norm is None or not self.fused:
+            return None
+        bounded = self.activation in (torch.tanh, torch.sigmoid)
+        phi = math.sqrt(self.hidden_dim)
+        worst = phi ** 4 + phi ** 2  # round 0
+        for layer in range(1, self.num_layers + 1):
+            if bounded:
+                hidden = math.sqrt(self.block_dim)
+            else:
+                weight = self.block_weight[layer - 1].to(SOLVE_DTYPE)
+                hidden = phi * float(torch.linalg.matrix_norm(weight, 2)) + float(self.block_bias[layer - 1].norm())
+            squared = hidden ** 4 + hidden ** 2 + (phi * hidden) ** 2
+            if self.restates:
+                squared += phi ** 4 + phi ** 2
+            worst = max(worst, squared)
+            phi += hidden * self.omega_norm
+        return math.sqrt(worst)
+
     def _solve_classifier(self, layer: int, gram: Tensor, cross: Tensor) -> None:
         """W_t from SOLVE_DTYPE sums, kept (and broadcast) in the model's dtype."""
         gram = gram + self.gamma * identity_like(gram)
@@ -480,15 +518,16 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         else:
             gram, cross = self.phi_gram, self.phi_cross
         if layer > 0:
-            # W_{t−1} as the clients have it (in `dtype`): their FᵀR = FᵀY − MᵀW_{t−1} used it
-            previous = self.classifier[layer - 1].to(SOLVE_DTYPE)
-            hidden_gram, hidden_residual, mixed = uploads["hidden_gram"], uploads["hidden_residual"], uploads["mixed"]
+            previous = self.classifier[layer - 1].to(SOLVE_DTYPE)  # W_{t−1} as broadcast
+            hidden_gram, hidden_labels, mixed = uploads["hidden_gram"], uploads["hidden_labels"], uploads["mixed"]
+            hidden_residual = hidden_labels - mixed.T @ previous  # FᵀR = FᵀY − MᵀW_{t−1}
             left, right = solve_omega_factors(hidden_gram, hidden_residual, previous, self.gamma_s)
+            left = left * self._omega_scale(torch.linalg.matrix_norm(left, 2))  # ‖Ω_t‖₂ = ‖L‖₂
             self.omega[layer - 1] = (left @ right.T).to(self.stat_dtype)
             coupling = (mixed @ left) @ right.T  # M_t Ω_t, (h, h)
             inner = right @ ((left.T @ hidden_gram @ left) @ right.T)  # Ω_tᵀ FᵀF Ω_t
             gram = gram + coupling + coupling.T + (inner + inner.T) / 2
-            cross = cross + right @ (left.T @ (hidden_residual + mixed.T @ previous))
+            cross = cross + right @ (left.T @ hidden_labels)
         self.phi_gram.copy_(gram)
         self.phi_cross.copy_(cross)
         self._solve_classifier(layer, gram, cross)
@@ -504,6 +543,7 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         if solves_omega:
             omega = solve_omega(uploads["hidden_gram"], uploads["hidden_residual"],
                                 self.classifier[layer - 1].to(SOLVE_DTYPE), self.gamma_s)
+            omega = omega * self._omega_scale(torch.linalg.matrix_norm(omega, 2))
             self.omega[layer - 1] = omega.to(self.stat_dtype)
             return {}
         self._solve_classifier(layer, uploads["gram"], uploads["cross"])
