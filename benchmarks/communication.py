@@ -64,11 +64,13 @@ class RoundLog(Callback):
         # local SGD + client bookkeeping
         row["train_s"] = row["time/client_s"] - row["time/compress_s"]
         row["match_loss"] = metrics.get("osfed/match_loss", float("nan"))
+        row.update({key: value for key, value in metrics.items() if key.startswith("osfed/")})  # diagnostics
         self.rows.append(row)
 
 
 def run(method, datamodule: FederatedDataModule) -> list[dict[str, float]]:
-    """A fit of `method` in process (`LightningEngine`), one row per round."""
+    """A fit of `method` in process (`LightningEngine`), one row per round: test accuracy,
+    cumulative upload, times and OS-FED's `osfed/*` diagnostics."""
     log = RoundLog(datamodule.test_features, datamodule.test_labels)
     engine = LightningEngine(method)
     trainer = Trainer(
@@ -228,9 +230,10 @@ def main() -> None:
                 compression="topk", topk_fraction=args.topk_fraction, **common
             ),
             "4-bit + EF": FedAvg(compression="quantize", quantize_bits=4, **common),
-            "OS-FED M=2 (28×28 map)": OSFED(grid_size=2, lbfgs_steps=args.lbfgs_steps, **common),
+            "OS-FED M=2 (28×28 map)": OSFED(grid_size=2, snapshot_resolution=28, lbfgs_steps=args.lbfgs_steps,
+                                            **common),
             "OS-FED M=2 (28×28 map), no EF": OSFED(
-                grid_size=2, lbfgs_steps=args.lbfgs_steps, error_feedback=False, **common
+                grid_size=2, snapshot_resolution=28, lbfgs_steps=args.lbfgs_steps, error_feedback=False, **common
             ),
         }
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fedavg import ROOT, SMALL, P, data, fit64
+from test_fedavg import ROOT, SMALL, data, fit64
 from torch.func import functional_call
 
 from workbench.cli import main

@@ -22,14 +22,15 @@ def toy_clients(n: int = 400, d: int = 6, num_classes: int = 4, dtype=torch.floa
     return features, labels, client_ids
 
 
-def reference_sgd(model, features, labels, schedule, row, *, lr, prox_mu=0.0, init=None):
+def reference_sgd(model, features, labels, schedule, row, *, lr, prox_mu=0.0, init=None, momentum=0.0,
+                  weight_decay=0.0):
     """One client alone: torch.optim.SGD over its rows of the same schedule."""
     if init is not None:
         with torch.no_grad():
             for p, start in zip(model.parameters(), init):
                 p.copy_(start)
     center = [p.detach().clone() for p in model.parameters()]
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     steps = 0
     for index, mask in schedule:
         mine = index[row][mask[row]]
@@ -46,8 +47,11 @@ def reference_sgd(model, features, labels, schedule, row, *, lr, prox_mu=0.0, in
     return dict(model.named_parameters()), steps
 
 
-@pytest.mark.parametrize("prox_mu", [0.0, 0.7])
-def test_vectorized_local_sgd_equals_a_loop_over_clients(prox_mu):
+@pytest.mark.parametrize("prox_mu, momentum, weight_decay", [(0.0, 0.0, 0.0), (0.7, 0.0, 0.0), (0.0, 0.9, 0.0),
+                                                            (0.7, 0.5, 0.01)])
+def test_vectorized_local_sgd_equals_a_loop_over_clients(prox_mu, momentum, weight_decay):
+    """Also with momentum and weight decay: each client's buffer is its own, as in torch.optim.SGD
+    (and waits, untouched, while the client has no batch left in the epoch)."""
     features, labels, client_ids = toy_clients()
     clients = torch.tensor([4, 0, 3, 2])  # any order, one client without data
     model = build_model("mlp", (6,), 4, hidden_dim=8, seed=1).double()
@@ -62,6 +66,8 @@ def test_vectorized_local_sgd_equals_a_loop_over_clients(prox_mu):
         batch_size=16,
         seed=5,
         prox_mu=prox_mu,
+        momentum=momentum,
+        weight_decay=weight_decay,
     )
     schedule = list(
         minibatch_schedule(
@@ -77,6 +83,8 @@ def test_vectorized_local_sgd_equals_a_loop_over_clients(prox_mu):
             row,
             lr=0.1,
             prox_mu=prox_mu,
+            momentum=momentum,
+            weight_decay=weight_decay,
         )
         n_k = int((client_ids == client).sum())
         assert steps == 2 * -(-n_k // 16)  # epochs · ceil(n_k / B)

@@ -143,15 +143,15 @@ def test_error_feedback_carries_exactly_target_minus_recovered():
     carried = torch.randn(
         4, updates.shape[1], generator=torch.Generator().manual_seed(2), dtype=torch.float64
     )
-    method.feedback.residual.copy_(0.1 * carried)
+    method.feedback.residuals.write(torch.arange(4), 0.1 * carried)
     method.lbfgs_steps = 5
     uploads, metrics = method.encode(0, batch.of(CLIENTS), updates)
     sent = recovered(
         method, uploads["snapshot_inputs"].double(), uploads["snapshot_labels"].double()
     )
     expected = updates + 0.1 * carried[CLIENTS] - sent
-    torch.testing.assert_close(method.feedback.residual[CLIENTS], expected, rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(method.feedback.residual[2], 0.1 * carried[2])  # not sampled: kept
+    torch.testing.assert_close(method.feedback.residual(CLIENTS), expected, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(method.feedback.residual(torch.tensor([2]))[0], 0.1 * carried[2])  # not sampled: kept
     # metric sums over the clients (the engine reports their mean)
     assert metrics["osfed/residual_norm"] == pytest.approx(float(expected.norm(dim=1).sum()), rel=1e-12)
     assert uploads["snapshot_inputs"].shape[0] == uploads["snapshot_labels"].shape[0] == 3  # stacked
@@ -193,7 +193,8 @@ def test_a_cohort_call_is_the_stack_of_each_clients_call_alone():
                                        rtol=1e-6, atol=1e-7)
         for name in ("osfed/match_loss", "osfed/residual_norm"):
             assert metrics[name] == pytest.approx(sum(r[1][name] for r in rows), rel=1e-6)
-    torch.testing.assert_close(together.feedback.residual, alone.feedback.residual, rtol=1e-6, atol=1e-9)
+    slots = torch.arange(4)
+    torch.testing.assert_close(together.feedback.residual(slots), alone.feedback.residual(slots), rtol=1e-6, atol=1e-9)
     start = together.initial_snapshots(3, batch.of(CLIENTS))
     for k, client in enumerate(CLIENTS):
         torch.testing.assert_close(start[k], together.initial_snapshots(3, batch.of(client[None]))[0],
@@ -251,13 +252,15 @@ def test_cnn_snapshots_on_raw_images(add_dataset, fit_method):
         lr=0.1,
         local_batch_size=8,
         lbfgs_steps=5,
+        diagnostics=True,
     )
     engine = fit_method(method, dm)
     assert method.snapshot_shape == engine.client_half.snapshot_shape == (1, 4, 4)
     assert (
         engine.fit_metrics["comm/bytes_up"] == 2 * 3 * (1 * 4 * 4 + 4 * 3) * 4
-    )  # c·R² + M²·C float32
+    )  # c·R² + M²·C float32; the diagnostic upload is not counted
     assert engine.fit_metrics["osfed/match_loss"] < 1
+    assert 0 < engine.fit_metrics["osfed/update_rel_error"] and -1 <= engine.fit_metrics["osfed/update_cosine"] <= 1
 
 
 def test_bad_settings_name_the_fix():
@@ -309,3 +312,58 @@ def test_cli_logs_bytes_and_the_matching_loss_every_round(tmp_path):
     assert float(tested.trainer.callback_metrics["test/acc"]) == pytest.approx(
         float(fitted["test/acc"])
     )
+
+
+def test_diagnostics_compare_the_applied_update_with_fedavgs_mean_update():
+    client, batch = prepared(lbfgs_steps=5, diagnostics=True)
+    weights = client.flat.vector() + 0.01
+    uploads, metrics = client.client_update(1, {"weights": weights}, batch.of(CLIENTS))
+    fresh = weights - client.flat.flatten(client.local_sgd(1, batch.of(CLIENTS)))  # Δw_k again: (3, P)
+    torch.testing.assert_close(uploads["diagnostic_update"].double(), fresh.sum(0), rtol=1e-6, atol=1e-7)
+    sent = recovered(client, uploads["snapshot_inputs"].double(), uploads["snapshot_labels"].double())
+    fresh_loss = ((sent - fresh) ** 2).sum(1) / ((fresh**2).sum(1) + client.match_eps)
+    assert metrics["osfed/match_loss_fresh"] == pytest.approx(float(fresh_loss.sum()), rel=1e-5)
+    residual = client.feedback.residual(CLIENTS)
+    assert metrics["osfed/residual_ratio"] == pytest.approx(
+        float((residual.norm(dim=1) / fresh.norm(dim=1)).sum()), rel=1e-5)
+
+    server = OSFED(architecture="mlp", hidden_dim=8, grid_size=2, lr=0.1, local_batch_size=16, diagnostics=True)
+    server.setup(Problem((8,), 4, 4))
+    server.double()
+    server.flat.load(weights)
+    applied = sent.mean(0)
+    mean = uploads["diagnostic_update"].double() / 3
+    logged = server.server_update(uploads, 3)
+    assert logged["osfed/update_rel_error"] == pytest.approx(float((applied - mean).norm() / mean.norm()), rel=1e-5)
+    assert logged["osfed/update_norm_ratio"] == pytest.approx(float(applied.norm() / mean.norm()), rel=1e-5)
+    assert server.upload_bytes_per_client(uploads) == 4 * 4 * (8 + 4)  # the snapshots alone
+    assert "diagnostic_update" not in prepared(lbfgs_steps=1)[0].client_update(
+        1, {"weights": weights}, batch.of(CLIENTS))[0]  # off by default: nothing extra on the wire
+
+
+def test_bounded_error_feedback_keeps_each_residual_within_c_times_the_update():
+    client, batch = prepared(lbfgs_steps=3, error_feedback_bound=0.25)
+    plain, _ = prepared(lbfgs_steps=3)
+    weights = client.flat.vector()
+    for round_index in (1, 2, 3):
+        broadcast = {"weights": weights + 0.01 * round_index}
+        _, metrics = client.client_update(round_index, broadcast, batch.of(CLIENTS))
+        _, plain_metrics = plain.client_update(round_index, broadcast, batch.of(CLIENTS))
+        fresh = client.flat.vector() - client.flat.flatten(client.local_sgd(round_index, batch.of(CLIENTS)))
+        ratio = client.feedback.residual(CLIENTS).norm(dim=1) / fresh.norm(dim=1)
+        assert (ratio <= 0.25 * (1 + 1e-9)).all()
+        assert metrics["osfed/residual_ratio"] <= 3 * 0.25 * (1 + 1e-9)
+    assert plain_metrics["osfed/residual_ratio"] > 3 * 0.25  # unbounded, it is larger here
+
+
+def test_cells_keep_the_inputs_resolution_by_default():
+    problem = Problem((1, 8, 8), 3, 2)
+    for options, side in (({}, 16), ({"cell_scale": 0.5}, 8), ({"snapshot_resolution": 4}, 4),
+                          ({"grid_size": 3}, 24)):
+        method = OSFED(architecture="cnn", **{"grid_size": 2, **options})
+        method.setup(problem)
+        assert method.snapshot_shape == (1, side, side)
+        cells = method.grid_size**2
+        assert method.upload_bytes_per_client({}) == 4 * (side * side + cells * 3)
+    with pytest.raises(ValueError, match="cell_scale"):
+        OSFED(cell_scale=0)

@@ -11,10 +11,26 @@ each parameter tensor (in the flat order), so per-tensor scales are possible.
 - `Quantize`: uniform b-bit quantization per parameter tensor: with lo = min, hi = max of the
   tensor, step = (hi − lo)/(2^b − 1), code = round((x − lo)/step) ∈ {0, …, 2^b − 1},
   reconstruction lo + step·code. Codes are bit-packed: ceil(numel·b/8) bytes per tensor, plus
-  lo and step as float32 (8 bytes per tensor).
+  lo and step as float32 (8 bytes per tensor). `symmetric=True`: levels k · step for
+  k ∈ {−L, …, L}, L = 2^(b−1) − 1, step = max|x| / L (a level at 0; b ≥ 2), one float32 scale.
+
+- `ScaledSign`: 1 bit per entry, the sign, times the tensor's mean magnitude ‖x‖₁ / n (the
+  scaled sign of error-feedback signSGD, Karimireddy et al., ICML 2019): ceil(numel/8) bytes
+  plus one float32 scale per tensor.
 
 Error feedback (`ErrorFeedback`) keeps, per client, what compression lost and adds it to
-the next round's update: target = update + e, e ← target − reconstruction.
+the next round's update: target = update + e, e ← target − reconstruction. It stays bounded
+when the compressor is contractive, ‖C(x) − x‖² ≤ (1 − δ) ‖x‖² with δ > 0 (then
+‖e‖ ≤ √(1−δ) / (1 − √(1−δ)) · max ‖update‖). Top-k (δ ≥ k/P) and the scaled sign (δ ≥ 1/n per
+tensor) are, for every x, and so is symmetric quantization (0 is a level, so no entry moves by
+more than its size, and the largest is exact: δ ≥ 1/n). Min-max b-bit quantization has no level
+at 0: entries at 0 of a tensor whose extremes are ±a move by up to a / (2^b − 1). At 4 and 8 bits
+it contracts Gaussian, heavy-tailed and sparse draws (tested) but not every x; at 2–3 bits it
+expands sparse and heavy-tailed ones (up to 7× ‖x‖² at 2 bits), and at 1 bit it sends every
+entry as lo or hi. So FedAvg refuses min-max quantization below 4 bits with error feedback (use
+`quantize_symmetric`, or `sign` for 1 bit). For compressors that are not (OS-FED's snapshots), `ErrorFeedback`
+offers two guards beside the plain form: a bound ‖e_k‖ ≤ c · ‖update_k‖ (the residual is
+rescaled onto it) and a decay e ← γ · e.
 """
 
 from __future__ import annotations
@@ -24,6 +40,8 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
+
+from workbench.federation.client_state import ClientTable
 
 FLOAT_BYTES = 4  # values and scales are sent as float32
 
@@ -74,15 +92,19 @@ class TopK(Compressor):
 
 
 class Quantize(Compressor):
-    """Uniform `bits`-bit quantization, min-max per parameter tensor, round to nearest."""
+    """Uniform `bits`-bit quantization per parameter tensor, round to nearest: min-max, or
+    symmetric about 0 (`symmetric`, contractive)."""
 
-    def __init__(self, sizes: Sequence[int], bits: int) -> None:
+    def __init__(self, sizes: Sequence[int], bits: int, symmetric: bool = False) -> None:
         super().__init__(sizes)
-        if not 1 <= bits <= 16:
-            raise ValueError(f"quantization bits must be in 1..16, got {bits}")
-        self.bits = bits
+        if not 1 + symmetric <= bits <= 16:
+            raise ValueError(f"quantization bits must be in {1 + symmetric}..16"
+                             f"{' (symmetric levels need 2 bits)' if symmetric else ''}, got {bits}")
+        self.bits, self.symmetric = bits, symmetric
 
     def __call__(self, updates: Tensor) -> Tensor:
+        if self.symmetric:
+            return self.symmetric_levels(updates)
         levels = 2**self.bits - 1
         pieces = []
         for block in updates.split(self.sizes, dim=1):  # one scale per tensor, all clients at once
@@ -94,34 +116,100 @@ class Quantize(Compressor):
             pieces.append(lo + step * codes)
         return torch.cat(pieces, 1)
 
+    def symmetric_levels(self, updates: Tensor) -> Tensor:
+        levels = 2 ** (self.bits - 1) - 1
+        pieces = []
+        for block in updates.split(self.sizes, dim=1):
+            step = as_sent(block.abs().max(1, keepdim=True).values / levels)
+            codes = torch.round(block / step.clamp_min(torch.finfo(block.dtype).tiny)).clamp(-levels, levels)
+            pieces.append(step * codes)
+        return torch.cat(pieces, 1)
+
     def bytes_per_client(self) -> int:
-        return sum(math.ceil(size * self.bits / 8) + 2 * FLOAT_BYTES for size in self.sizes)
+        scales = 1 if self.symmetric else 2
+        return sum(math.ceil(size * self.bits / 8) + scales * FLOAT_BYTES for size in self.sizes)
+
+
+class ScaledSign(Compressor):
+    """sign(x) · ‖x‖₁ / n per parameter tensor (1 bit per entry and one float32 scale)."""
+
+    def __call__(self, updates: Tensor) -> Tensor:
+        pieces = []
+        for block in updates.split(self.sizes, dim=1):
+            scale = as_sent(block.abs().mean(1, keepdim=True))
+            pieces.append(torch.where(block >= 0, scale, -scale))  # sign(0) sent as +
+        return torch.cat(pieces, 1)
+
+    def bytes_per_client(self) -> int:
+        return sum(math.ceil(size / 8) + FLOAT_BYTES for size in self.sizes)
+
+
+COMPRESSIONS = ("none", "topk", "quantize", "sign")
 
 
 def build_compressor(
-    name: str, sizes: Sequence[int], *, topk_fraction: float = 0.01, quantize_bits: int = 8
+    name: str, sizes: Sequence[int], *, topk_fraction: float = 0.01, quantize_bits: int = 8,
+    quantize_symmetric: bool = False,
 ) -> Compressor:
-    """`none` (dense float32), `topk` or `quantize`."""
+    """`none` (dense float32), `topk`, `quantize` (min-max or symmetric) or `sign` (scaled sign)."""
     if name == "none":
         return Dense(sizes)
     if name == "topk":
         return TopK(sizes, topk_fraction)
     if name == "quantize":
-        return Quantize(sizes, quantize_bits)
-    raise ValueError(f"unknown compression {name!r}; choose none, topk or quantize")
+        return Quantize(sizes, quantize_bits, quantize_symmetric)
+    if name == "sign":
+        return ScaledSign(sizes)
+    raise ValueError(f"unknown compression {name!r}; choose one of {', '.join(COMPRESSIONS)}")
+
+
+def check_feedback_guard(bound: float | None, decay: float) -> None:
+    """One clear error for a bad error-feedback guard."""
+    if (bound is not None and not bound >= 0) or not 0 <= decay <= 1:
+        raise ValueError(f"error_feedback_bound must be None or ≥ 0 and error_feedback_decay in [0, 1], "
+                         f"got {bound} and {decay}")
+
+
+def guarded_residual(residual: Tensor, updates: Tensor, *, bound: float | None, decay: float) -> Tensor:
+    """γ · e, then rescaled row by row onto ‖e_k‖ ≤ c · ‖update_k‖ (c = bound; None: no bound)."""
+    if decay != 1:
+        residual = decay * residual
+    if bound is not None:
+        limit = bound * updates.norm(dim=1, keepdim=True)
+        norm = residual.norm(dim=1, keepdim=True)
+        residual = residual * torch.where(norm > limit, limit / norm.clamp_min(torch.finfo(norm.dtype).tiny), 1)
+    return residual
 
 
 class ErrorFeedback(nn.Module):
-    """Per-client residuals e (K, P) of a lossy upload, kept across rounds (checkpointed)."""
+    """Per-client residuals e (P,) of a lossy upload, kept across rounds (checkpointed) for the
+    clients that have uploaded (`residuals`, a `ClientTable`: a client never sampled has e = 0 and
+    holds no row).
 
-    def __init__(self, num_clients: int, numel: int) -> None:
+    bound: c, keep ‖e_k‖ ≤ c · ‖update_k‖ (None: the plain form); decay: γ, e ← γ · e.
+    """
+
+    def __init__(self, numel: int, *, bound: float | None = None, decay: float = 1.0) -> None:
         super().__init__()
-        self.register_buffer("residual", torch.zeros(num_clients, numel))
+        check_feedback_guard(bound, decay)
+        self.bound, self.decay = bound, decay
+        self.residuals = ClientTable(torch.zeros(numel))
+
+    def residual(self, clients: Tensor) -> Tensor:
+        """e of the m clients: (m,) -> (m, P)."""
+        return self.residuals.read(clients)
 
     def target(self, clients: Tensor, updates: Tensor) -> Tensor:
         """update + e for the m clients: (m,), (m, P) -> (m, P)."""
-        return updates + self.residual[clients]
+        return updates + self.residual(clients).to(updates)
 
-    def keep(self, clients: Tensor, target: Tensor, sent: Tensor) -> None:
-        """e ← target − what the server will reconstruct."""
-        self.residual[clients] = target - sent
+    def keep(self, clients: Tensor, target: Tensor, sent: Tensor, updates: Tensor | None = None) -> Tensor:
+        """e ← target − what the server will reconstruct, guarded (`updates`: the fresh (m, P),
+        needed by the bound); returns the m new residuals."""
+        residual = target - sent
+        if self.bound is not None or self.decay != 1:
+            if updates is None and self.bound is not None:
+                raise ValueError("ErrorFeedback.keep needs the fresh updates to apply error_feedback_bound")
+            residual = guarded_residual(residual, updates, bound=self.bound, decay=self.decay)
+        self.residuals.write(clients, residual)
+        return residual

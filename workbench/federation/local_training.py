@@ -13,6 +13,11 @@ SCAFFOLD's corrected steps):
     w_k ← w_k − lr · ( ∇ [ mean_{i ∈ batch} CE(f(x_i; w_k), y_i) + μ/2 ‖w_k − c‖² ] + r_k )
 
 with r_k a constant linear correction of the gradient (0 by default; SCAFFOLD's c − c_k).
+Optionally with weight decay λ and heavy-ball momentum β, as `torch.optim.SGD` takes them
+(dampening 0): d ← ∇(…) + r_k + λ w_k, b ← β b + d, w_k ← w_k − lr · b. The momentum buffer b
+starts at 0 in every call, i.e. it is local to a round (as FedAvg implementations keep it: a
+client's buffer is neither uploaded nor carried to its next round). Across rounds the step size
+follows a schedule of the round index (`scheduled_lr`), known to every client.
 
 In each epoch every client shuffles its own n_k samples and cuts them into ceil(n_k / B)
 minibatches (the last one smaller), so client k takes exactly epochs · ceil(n_k / B) steps,
@@ -34,6 +39,7 @@ problems.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -96,6 +102,37 @@ def local_steps(client_ids: Tensor, clients: Tensor, *, epochs: int, batch_size:
     return epochs * (-(-counts // batch_size))
 
 
+LR_SCHEDULES = ("constant", "cosine", "step")
+
+
+def scheduled_lr(lr: float, round_index: int, num_rounds: int, schedule: str = "constant", *,
+                 final_fraction: float = 0.0, step_rounds: int = 1, gamma: float = 0.1) -> float:
+    """The local step size of round t (0-based) of R rounds, a function of the round index only.
+
+    constant: lr. cosine: lr · (f + (1 − f) · (1 + cos(π t / R)) / 2), from lr at t = 0 down
+    towards f · lr (f = final_fraction). step: lr · γ^⌊t / step_rounds⌋.
+    """
+    if schedule == "constant":
+        return lr
+    if schedule == "cosine":
+        return lr * (final_fraction + (1 - final_fraction) * (1 + math.cos(math.pi * round_index / num_rounds)) / 2)
+    if schedule == "step":
+        return lr * gamma ** (round_index // step_rounds)
+    raise ValueError(f"unknown lr_schedule {schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
+
+
+def check_schedule(schedule: str, *, final_fraction: float, step_rounds: int, gamma: float,
+                   momentum: float, weight_decay: float) -> None:
+    """One clear error for a bad local-training setting."""
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"unknown lr_schedule {schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
+    if not 0 <= final_fraction <= 1 or step_rounds < 1 or not 0 < gamma <= 1:
+        raise ValueError(f"lr_final_fraction must be in [0, 1], lr_step_rounds ≥ 1 and lr_gamma in (0, 1], "
+                         f"got {final_fraction}, {step_rounds} and {gamma}")
+    if not 0 <= momentum < 1 or weight_decay < 0:
+        raise ValueError(f"momentum must be in [0, 1) and weight_decay ≥ 0, got {momentum} and {weight_decay}")
+
+
 def _per_client(value: Tensor | None, default: Tensor, m: int, name: str) -> tuple[Tensor, bool]:
     """A shared (param-shaped) or per-client ((m, *shape)) tensor -> (tensor, is_per_client)."""
     value = default if value is None else value
@@ -124,6 +161,8 @@ def local_sgd(
     prox_center: dict[str, Tensor] | None = None,
     init: dict[str, Tensor] | None = None,
     correction: dict[str, Tensor] | None = None,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
 ) -> dict[str, Tensor]:
     """Local SGD of m clients at once; returns each client's trained parameters.
 
@@ -135,12 +174,14 @@ def local_sgd(
     correction: r, added to every step's gradient (the gradient of the linear term ⟨r, w⟩);
         per entry shared (param shape) or per client ((m, *shape)); missing entries are 0.
     seed: the round's minibatch seed; client k shuffles with `client_generator(seed, k)`.
+    momentum: β of heavy-ball momentum (buffer from 0 at every call); weight_decay: λ, adds λ w.
     Returns {name: (m, *param.shape)} in the order of `clients`, detached.
     """
-    if epochs < 0 or batch_size < 1 or not lr > 0 or prox_mu < 0:
+    if epochs < 0 or batch_size < 1 or not lr > 0 or prox_mu < 0 or not 0 <= momentum < 1 or weight_decay < 0:
         raise ValueError(
-            f"local_sgd needs epochs ≥ 0, batch_size ≥ 1, lr > 0 and prox_mu ≥ 0; got "
-            f"epochs={epochs}, batch_size={batch_size}, lr={lr}, prox_mu={prox_mu}"
+            f"local_sgd needs epochs ≥ 0, batch_size ≥ 1, lr > 0, prox_mu ≥ 0, 0 ≤ momentum < 1 and "
+            f"weight_decay ≥ 0; got epochs={epochs}, batch_size={batch_size}, lr={lr}, prox_mu={prox_mu}, "
+            f"momentum={momentum}, weight_decay={weight_decay}"
         )
     m = len(clients)
     global_params = {name: p.detach() for name, p in model.named_parameters()}
@@ -183,6 +224,8 @@ def local_sgd(
         name: 0 if per_client else None for name, per_client in center_per_client.items()
     }
     client_grad = vmap(grad(loss), in_dims=(0, center_dims, 0, 0, 0))
+    plain = momentum == 0 and weight_decay == 0  # today's step, bit for bit
+    velocity = {name: torch.zeros_like(value) for name, value in params.items()} if momentum > 0 else {}
     with torch.no_grad():
         for index, mask in minibatch_schedule(
             client_ids, clients[by_size], epochs=epochs, batch_size=batch_size, seed=seed
@@ -198,10 +241,17 @@ def local_sgd(
             with torch.enable_grad():
                 step = client_grad(prefix, c, features[index], labels[index], weight)
             for name, value in prefix.items():
-                if name in shift:
-                    value.sub_(lr * (step[name] + shift[name][:active]))  # in place on the prefix view
-                else:
-                    value.sub_(lr * step[name])
+                direction = step[name] + shift[name][:active] if name in shift else step[name]
+                if plain:
+                    value.sub_(lr * direction)  # in place on the prefix view
+                    continue
+                if weight_decay > 0:
+                    direction = direction + weight_decay * value
+                if momentum > 0:
+                    buffer = velocity[name][:active]
+                    buffer.mul_(momentum).add_(direction)  # clients without a batch keep theirs
+                    direction = buffer
+                value.sub_(lr * direction)
     unsort = torch.argsort(by_size)
     return {name: value[unsort] for name, value in params.items()}
 

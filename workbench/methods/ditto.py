@@ -80,7 +80,8 @@ class Ditto(FedAvg):
         lam: λ ≥ 0, the pull of each personal model towards the global one. Plain SGD on the
             proximal term is stable only for personal_lr · λ < 2.
         personal_epochs: local epochs on the personal objective per round (default: local_epochs).
-        personal_lr: step size of the personal SGD (default: lr).
+        personal_lr: step size of the personal SGD (default: lr), under FedAvg's lr_schedule
+            (momentum and weight_decay apply to it too).
         **kwargs: FedAvg's arguments (rounds, head, local epochs, sampling, compression, seed).
     """
 

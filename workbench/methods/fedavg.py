@@ -5,12 +5,16 @@ Round t, global model w_t (P parameters), K clients:
 1. The server samples m = max(1, round(q·K')) of the K' clients with data uniformly without
    replacement (q = `sample_fraction`; the draw is seeded by (seed, t), so a run is
    reproducible) and sends them w_t (w₀ travels as its seed).
-2. Each sampled client k runs `local_epochs` epochs of minibatch SGD (batch B, step `lr`)
+2. Each sampled client k runs `local_epochs` epochs of minibatch SGD (batch B, step η_t)
    from w_t on its own data, minimizing the cross-entropy, plus μ/2 ‖w − w_t‖² for FedProx,
-   and gets Δw_k = w_t − w_k.
-3. It uploads Δw_k (float32, 4·P bytes), or a compressed version (`compression`: `topk` or
-   `quantize`, see workbench/federation/compression.py) with error feedback:
-   g_k = Δw_k + e_k, sent_k = C(g_k), e_k ← g_k − sent_k.
+   and gets Δw_k = w_t − w_k. η_t = `lr` by default; `lr_schedule` decays it over the rounds
+   (cosine or step, `workbench.federation.local_training.scheduled_lr`: a function of t and R
+   only, so every client, in process or on a Flower node, uses the same). `momentum` and
+   `weight_decay` act as in `torch.optim.SGD`, the momentum buffer local to the round.
+3. It uploads Δw_k (float32, 4·P bytes), or a compressed version (`compression`: `topk`,
+   `quantize` or `sign`, see workbench/federation/compression.py) with error feedback:
+   g_k = Δw_k + e_k, sent_k = C(g_k), e_k ← g_k − sent_k (optionally bounded or decayed:
+   `error_feedback_bound`, `error_feedback_decay`).
 4. The server: w_{t+1} = w_t − η_s · (1/m) Σ_k sent_k  (η_s = `server_lr`; 1 is FedAvg).
 
 Under client-level DP (`federation.dp_clip`, workbench/federation/privacy.py) each client clips
@@ -29,6 +33,7 @@ FedAvg is centralized minibatch SGD (tested).
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Mapping
 from typing import Literal
@@ -36,13 +41,14 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from workbench.federation.compression import ErrorFeedback, build_compressor
-from workbench.federation.local_training import local_sgd
+from workbench.federation.compression import COMPRESSIONS, ErrorFeedback, build_compressor, check_feedback_guard
+from workbench.federation.local_training import check_schedule, local_sgd, scheduled_lr
 from workbench.federation.privacy import CLIP_NORM, WITHIN_CLIP, clip_client_updates
 from workbench.methods.base import SUMMED, ClientHalf, Cohort, FederatedMethod, Problem, RoundPlan
 from workbench.methods.heads import Architecture, build_model
 
-Compression = Literal["none", "topk", "quantize"]
+Compression = Literal["none", "topk", "quantize", "sign"]
+Schedule = Literal["constant", "cosine", "step"]
 SAMPLING, MINIBATCHES, SNAPSHOTS, PERSONAL = 0, 1, 2, 3  # the random streams of a round
 
 
@@ -99,12 +105,26 @@ class FedAvgClient(ClientHalf):
         sizes = [p.numel() for p in self.net.parameters()]
         s = self.settings
         self.compressor = build_compressor(s["compression"], sizes, topk_fraction=s["topk_fraction"],
-                                           quantize_bits=s["quantize_bits"])
+                                           quantize_bits=s["quantize_bits"],
+                                           quantize_symmetric=s["quantize_symmetric"])
         self.lossy = s["compression"] != "none" and s["error_feedback"]
         self.clip: dict[str, Tensor] = {}  # the round's clip norm under client-level DP (`receive`)
 
     def setup_state(self) -> None:
-        self.feedback = ErrorFeedback(self.num_served, self.flat.vector().numel()) if self.lossy else None
+        self.feedback = self.error_feedback() if self.lossy else None
+
+    def error_feedback(self) -> ErrorFeedback:
+        """Residuals of the clients that have uploaded, with the method's guard (bound, decay)."""
+        s = self.settings
+        return ErrorFeedback(self.flat.vector().numel(), bound=s["error_feedback_bound"],
+                             decay=s["error_feedback_decay"])
+
+    def round_lr(self, round_index: int, lr: float | None = None) -> float:
+        """η_t: `lr` (default the method's) under the schedule at round t."""
+        s = self.settings
+        return scheduled_lr(s["lr"] if lr is None else lr, round_index, s["num_rounds"], s["lr_schedule"],
+                            final_fraction=s["lr_final_fraction"], step_rounds=s["lr_step_rounds"],
+                            gamma=s["lr_gamma"])
 
     def receive(self, broadcast: Mapping[str, Tensor]) -> None:
         if "weights" in broadcast:
@@ -112,9 +132,11 @@ class FedAvgClient(ClientHalf):
         self.clip = {CLIP_NORM: broadcast[CLIP_NORM]} if CLIP_NORM in broadcast else {}  # client-level DP's C
 
     def local_sgd(self, round_index: int, cohort: Cohort, stream: int = MINIBATCHES, **options) -> dict[str, Tensor]:
-        """Local SGD of every cohort client from the received model: {name: (m, *shape)}."""
+        """Local SGD of every cohort client from the received model: {name: (m, *shape)}; the
+        step size (`lr`, default the method's) follows the schedule at this round."""
         s = self.settings
-        options = {"epochs": s["local_epochs"], "lr": s["lr"], "prox_mu": s["prox_mu"], **options}
+        options = {"epochs": s["local_epochs"], "prox_mu": s["prox_mu"], "momentum": s["momentum"],
+                   "weight_decay": s["weight_decay"], **options, "lr": self.round_lr(round_index, options.get("lr"))}
         features = cohort.features.to(self.dtype)  # the data as stored, the model's precision
         return local_sgd(self.net, features, cohort.labels, cohort.client_ids, cohort.clients,
                          batch_size=s["local_batch_size"], seed=round_seed(s["seed"], round_index, stream),
@@ -143,7 +165,7 @@ class FedAvgClient(ClientHalf):
         clipped, count = clip_client_updates({"update": self.compressor(target)}, self.clip)
         sent = clipped["update"]
         if self.feedback is not None:
-            self.feedback.keep(slots, target, sent)
+            self.feedback.keep(slots, target, sent, updates)
         return {"update": sent.sum(0), **count}, {}
 
 
@@ -155,12 +177,18 @@ class FedAvg(FederatedMethod):
         architecture: `linear` or `mlp` head on features, `cnn` on images (`data.inputs: images`).
         hidden_dim: hidden width of the `mlp` head.
         local_epochs: passes of each sampled client over its data per round.
-        lr: local SGD step size; local_batch_size: local minibatch size B.
+        lr: local SGD step size (at round 0); local_batch_size: local minibatch size B.
+        lr_schedule: `constant`, `cosine` (lr → lr_final_fraction · lr over num_rounds) or `step`
+            (× lr_gamma every lr_step_rounds rounds).
+        momentum, weight_decay: of local SGD (the momentum buffer starts at 0 every round).
         sample_fraction: q, share of the clients sampled each round.
         server_lr: η_s, the step the server takes along the averaged update.
-        compression: `none` (float32 Δw), `topk` or `quantize`.
-        topk_fraction: share of the P entries `topk` keeps; quantize_bits: bits per entry.
+        compression: `none` (float32 Δw), `topk`, `quantize` or `sign` (scaled sign, 1 bit).
+        topk_fraction: share of the P entries `topk` keeps; quantize_bits: bits per entry;
+        quantize_symmetric: levels symmetric about 0 (contractive) instead of min-max.
         error_feedback: carry each client's compression error to its next upload.
+        error_feedback_bound: c, keep ‖e_k‖ ≤ c · ‖Δw_k‖ (None: the plain, unbounded form);
+        error_feedback_decay: γ ∈ [0, 1], e ← γ e (1: the plain form).
         seed: model initialization, client sampling and minibatch order.
     """
 
@@ -183,6 +211,15 @@ class FedAvg(FederatedMethod):
         quantize_bits: int = 8,
         error_feedback: bool = True,
         seed: int = 0,
+        lr_schedule: Schedule = "constant",
+        lr_final_fraction: float = 0.0,
+        lr_step_rounds: int = 1,
+        lr_gamma: float = 0.1,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        error_feedback_bound: float | None = None,
+        error_feedback_decay: float = 1.0,
+        quantize_symmetric: bool = False,
     ) -> None:
         super().__init__()
         if num_rounds < 1 or local_epochs < 1 or local_batch_size < 1 or hidden_dim < 1:
@@ -196,19 +233,37 @@ class FedAvg(FederatedMethod):
             raise ValueError(f"sample_fraction must be in (0, 1], got {sample_fraction}")
         if architecture not in ("linear", "mlp", "cnn"):
             raise ValueError(f"unknown architecture {architecture!r}; choose linear, mlp or cnn")
-        if compression not in ("none", "topk", "quantize"):
-            raise ValueError(f"unknown compression {compression!r}; choose none, topk or quantize")
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"unknown compression {compression!r}; choose one of {', '.join(COMPRESSIONS)}")
         if not 0 < topk_fraction <= 1 or not 1 <= quantize_bits <= 16:
             raise ValueError(
                 f"topk_fraction must be in (0, 1] and quantize_bits in 1..16, got "
                 f"{topk_fraction} and {quantize_bits}"
             )
+        if compression == "quantize" and quantize_symmetric and quantize_bits < 2:
+            raise ValueError("symmetric quantization needs quantize_bits ≥ 2; for 1 bit use compression='sign'")
+        if compression == "quantize" and not quantize_symmetric and quantize_bits < 4 and error_feedback:
+            raise ValueError(f"{quantize_bits}-bit min-max quantization is not contractive (no level at 0), so its "
+                             "error feedback can grow without bound: set quantize_symmetric=True "
+                             "(or compression='sign' for 1 bit), or error_feedback=False")
+        check_schedule(lr_schedule, final_fraction=lr_final_fraction, step_rounds=lr_step_rounds, gamma=lr_gamma,
+                       momentum=momentum, weight_decay=weight_decay)
+        check_feedback_guard(error_feedback_bound, error_feedback_decay)
         self.save_hyperparameters()
+        accepted = inspect.signature(type(self).__init__).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+            for key in set(self._hparams) - set(accepted):  # a subclass without some of FedAvg's arguments:
+                self._hparams.pop(key)  # a fresh build from its hparams must work
+                self._hparams_initial.pop(key, None)
+        self.lr_schedule, self.lr_final_fraction = lr_schedule, lr_final_fraction
+        self.lr_step_rounds, self.lr_gamma = lr_step_rounds, lr_gamma
+        self.momentum, self.weight_decay = momentum, weight_decay
+        self.error_feedback_bound, self.error_feedback_decay = error_feedback_bound, error_feedback_decay
         self.rounds, self.architecture, self.hidden_dim = num_rounds, architecture, hidden_dim
         self.local_epochs, self.lr, self.local_batch_size = local_epochs, lr, local_batch_size
         self.sample_fraction, self.server_lr, self.seed = sample_fraction, server_lr, seed
         self.compression, self.topk_fraction = compression, topk_fraction
-        self.quantize_bits = quantize_bits
+        self.quantize_bits, self.quantize_symmetric = quantize_bits, quantize_symmetric
         self.use_error_feedback = error_feedback
         self.prox_mu = 0.0  # FedProx sets μ
 
@@ -221,7 +276,12 @@ class FedAvg(FederatedMethod):
         return {"local_epochs": self.local_epochs, "lr": self.lr, "local_batch_size": self.local_batch_size,
                 "prox_mu": self.prox_mu, "seed": self.seed, "compression": self.compression,
                 "topk_fraction": self.topk_fraction, "quantize_bits": self.quantize_bits,
-                "error_feedback": self.use_error_feedback}
+                "quantize_symmetric": self.quantize_symmetric,
+                "error_feedback": self.use_error_feedback, "num_rounds": self.rounds,
+                "lr_schedule": self.lr_schedule, "lr_final_fraction": self.lr_final_fraction,
+                "lr_step_rounds": self.lr_step_rounds, "lr_gamma": self.lr_gamma, "momentum": self.momentum,
+                "weight_decay": self.weight_decay, "error_feedback_bound": self.error_feedback_bound,
+                "error_feedback_decay": self.error_feedback_decay}
 
     def build_net(self, problem: Problem) -> nn.Module:
         """w₀: the model initialized from the seed (the same on the server and every client)."""
@@ -233,7 +293,8 @@ class FedAvg(FederatedMethod):
         self.flat = Flat(self.net)
         sizes = [p.numel() for p in self.net.parameters()]
         self.compressor = build_compressor(self.compression, sizes, topk_fraction=self.topk_fraction,
-                                           quantize_bits=self.quantize_bits)
+                                           quantize_bits=self.quantize_bits,
+                                           quantize_symmetric=self.quantize_symmetric)
 
     def client_half(self) -> FedAvgClient:
         return self.client_class(self.problem, self)

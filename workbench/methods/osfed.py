@@ -8,7 +8,9 @@ in FedAvg, workbench/methods/fedavg.py):
 2. Snapshot S_k = (Z_k, ℓ_k): a grid map Z_k and M² learnable label embeddings ℓ_k (M², C).
    The multi-grid function F(Z) gives M² synthetic inputs:
    - images (c, H, W): Z is one (c, R, R) map cut into M×M cells of (R/M)² pixels, each
-     bilinearly upsampled to H×W;
+     bilinearly upsampled to H×W. R = M · round(cell_scale · H): by default (cell_scale 1)
+     every cell has the input's own resolution (no upsampling; a 2×2 map of 28×28 digits is
+     56×56, c·R² + M²·C = 3176 float32, 12.7 kB); `snapshot_resolution` sets R directly;
    - feature vectors (d,): Z is M² learnable vectors (M², d), F the identity.
    The snapshot's gradient is g(S) = ∇_w L_S(w_t) with the soft cross-entropy
    L_S(w) = (1/M²) Σ_i −ℓ_iᵀ log softmax(f(F(Z)_i; w)); ℓ_i is a free vector (not constrained
@@ -24,7 +26,9 @@ in FedAvg, workbench/methods/fedavg.py):
    `client_generator(round seed, k)`, the same alone on a Flower node) and labels ℓ₀ = ∂⟨g(Z₀, ℓ), Δg⟩/∂ℓ,
    the labels whose gradient correlates most with the target (one backward; no real sample
    or label enters the snapshot).
-4. e_k ← Δg_k − g(S_k*) (client state: the client half's `feedback`); client k uploads only
+4. e_k ← Δg_k − g(S_k*) (client state: the client half's `feedback`; optionally bounded,
+   ‖e_k‖ ≤ c · ‖Δw_k‖, or decayed, e ← γ e: a snapshot is not a contractive compressor, and
+   with the plain form the residual can grow to many times the update); client k uploads only
    S_k* (float32), as stacked uploads (one row per client): M²·d + M²·C numbers for features,
    c·R² + M²·C for images.
 5. Server: one forward/backward on the concatenation of the m snapshots (m·M² samples) gives
@@ -33,8 +37,15 @@ in FedAvg, workbench/methods/fedavg.py):
 
 The snapshot geometry (F, L_S, g, the fit) is `SnapshotGeometry`, shared by the client half
 (`OSFEDClient`, which fits) and the server (which recovers), each on its own copy of the model.
-Per round the clients report `osfed/match_loss` (the normalized matching loss at S*) and
-`osfed/residual_norm` (‖e_k‖ after the round) as sums over clients; the engine logs their means.
+Diagnostics, every round. The clients report, as sums over clients (the engine logs their
+means): `osfed/match_loss`, the normalized matching loss at S* against the error-fed target
+Δg_k; `osfed/match_loss_fresh`, ‖g(S_k*) − Δw_k‖² / ‖Δw_k‖², against this round's update alone;
+`osfed/residual_norm`, ‖e_k‖ after the round; `osfed/residual_ratio`, ‖e_k‖ / ‖Δw_k‖. With
+`diagnostics=True` the clients also upload Σ_k Δw_k (a summed float32 vector that is not part of
+the protocol and not counted in the bytes), and the server logs `osfed/update_rel_error`,
+‖ĝ − mean Δw‖ / ‖mean Δw‖ with ĝ = ∇L_mean the update it applies (sending nothing scores 1,
+so above 1 the round moved the model farther from FedAvg's step than not moving it),
+`osfed/update_cosine` between ĝ and mean Δw, and `osfed/update_norm_ratio` ‖ĝ‖ / ‖mean Δw‖.
 """
 
 from __future__ import annotations
@@ -46,9 +57,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, grad_and_value, vmap
 
-from workbench.federation.compression import ErrorFeedback, as_sent
+from workbench.federation.compression import FLOAT_BYTES, as_sent
 from workbench.federation.local_training import client_generator, lbfgs
-from workbench.methods.base import STACKED, Cohort, Problem
+from workbench.methods.base import STACKED, SUMMED, Cohort, Problem
 from workbench.methods.fedavg import SNAPSHOTS, FedAvg, FedAvgClient, round_seed
 from workbench.methods.heads import Architecture
 
@@ -74,25 +85,25 @@ class SnapshotGeometry:
     """F(Z), L_S and g(S) = ∇_w L_S(w) of snapshots under a model `net`, and the snapshot fit.
 
     Shared by the client half (fits snapshots) and the server (recovers from them); each calls
-    `setup_snapshots` with its own net. Settings: grid_size M, snapshot_resolution R (images),
-    lbfgs_steps, lbfgs_history, match_eps.
+    `setup_snapshots` with its own net. Settings: grid_size M, snapshot_resolution R or
+    cell_scale (images), lbfgs_steps, lbfgs_history, match_eps.
     """
 
     net: nn.Module
 
     def setup_snapshots(self, input_shape: tuple[int, ...], num_classes: int, *, grid_size: int,
                         snapshot_resolution: int | None, lbfgs_steps: int, lbfgs_history: int,
-                        match_eps: float) -> None:
+                        match_eps: float, cell_scale: float = 1.0) -> None:
         self.input_shape, self.grid_size = tuple(input_shape), grid_size
         self.lbfgs_steps, self.lbfgs_history, self.match_eps = lbfgs_steps, lbfgs_history, match_eps
         self.on_images = len(self.input_shape) == 3
         cells = grid_size**2
         if self.on_images:
-            side = snapshot_resolution or self.input_shape[1]
+            side = snapshot_resolution or grid_size * max(1, round(cell_scale * self.input_shape[1]))
             if side % grid_size:
                 raise ValueError(
-                    f"the snapshot side {side} (the image height unless snapshot_resolution is "
-                    f"set) must be a multiple of grid_size = {grid_size}"
+                    f"the snapshot side {side} (snapshot_resolution) must be a multiple of "
+                    f"grid_size = {grid_size}"
                 )
             self.snapshot_shape = (self.input_shape[0], side, side)
         else:
@@ -237,11 +248,11 @@ class OSFEDClient(SnapshotGeometry, FedAvgClient):
         s = self.settings
         self.setup_snapshots(problem.input_shape, problem.num_classes, grid_size=s["grid_size"],
                              snapshot_resolution=s["snapshot_resolution"], lbfgs_steps=s["lbfgs_steps"],
-                             lbfgs_history=s["lbfgs_history"], match_eps=s["match_eps"])
+                             lbfgs_history=s["lbfgs_history"], match_eps=s["match_eps"],
+                             cell_scale=s["cell_scale"])
 
     def setup_state(self) -> None:  # lossless in FedAvg's sense, but a snapshot loses: feedback
-        numel = self.flat.vector().numel()
-        self.feedback = ErrorFeedback(self.num_served, numel) if self.settings["error_feedback"] else None
+        self.feedback = self.error_feedback() if self.settings["error_feedback"] else None
 
     def initial_snapshots(self, round_index: int, cohort: Cohort) -> Tensor:
         """Random start (m, *snapshot_shape): inputs ~ N(client mean, client std²), per dimension
@@ -270,10 +281,19 @@ class OSFEDClient(SnapshotGeometry, FedAvgClient):
         targets = self.feedback.target(slots, updates) if self.feedback is not None else updates
         snapshot, labels, recovered, loss = self.fit_snapshots(targets, self.initial_snapshots(round_index, cohort))
         if self.feedback is not None:
-            self.feedback.keep(slots, targets, recovered)
-        residual = targets - recovered
-        metrics = {"osfed/match_loss": float(loss.sum()), "osfed/residual_norm": float(residual.norm(dim=1).sum())}
-        return {"snapshot_inputs": snapshot.float(), "snapshot_labels": labels.float()}, metrics
+            residual = self.feedback.keep(slots, targets, recovered, updates)
+        else:
+            residual = targets - recovered  # what EF would carry: reported all the same
+        size = updates.norm(dim=1)
+        tiny = torch.finfo(size.dtype).tiny
+        fresh = ((recovered - updates) ** 2).sum(1) / (size**2 + self.match_eps)
+        metrics = {"osfed/match_loss": float(loss.sum()), "osfed/match_loss_fresh": float(fresh.sum()),
+                   "osfed/residual_norm": float(residual.norm(dim=1).sum()),
+                   "osfed/residual_ratio": float((residual.norm(dim=1) / size.clamp_min(tiny)).sum())}
+        uploads = {"snapshot_inputs": snapshot.float(), "snapshot_labels": labels.float()}
+        if self.settings["diagnostics"]:
+            uploads["diagnostic_update"] = updates.sum(0).float()  # Σ Δw_k, for the server's diagnostics
+        return uploads, metrics
 
 
 class OSFED(SnapshotGeometry, FedAvg):
@@ -283,14 +303,22 @@ class OSFED(SnapshotGeometry, FedAvg):
         num_rounds, architecture, hidden_dim, local_epochs, lr, local_batch_size, sample_fraction,
             server_lr, seed: as in FedAvg.
         grid_size: M; the snapshot makes M² synthetic samples.
-        snapshot_resolution: R, side of the image snapshot map (default the image height);
-            a multiple of M. Unused for feature vectors.
+        snapshot_resolution: R, side of the image snapshot map, a multiple of M (default
+            M · round(cell_scale · H)). Unused for feature vectors.
+        cell_scale: side of one cell as a share of the image side (1: cells at the input's own
+            resolution, R = M · H), when snapshot_resolution is not set.
         lbfgs_steps: L-BFGS iterations per snapshot fit; lbfgs_history: its stored pairs.
         match_eps: ε of the normalized matching loss.
         error_feedback: carry e_k = Δg_k − g(S_k*) to the next round.
+        error_feedback_bound, error_feedback_decay: guards on e_k, as in FedAvg.
+        lr_schedule, lr_final_fraction, lr_step_rounds, lr_gamma, momentum, weight_decay: local
+            training, as in FedAvg.
+        diagnostics: also upload Σ_k Δw_k (not counted, not part of the protocol) so the server
+            logs how far its update is from FedAvg's.
     """
 
-    uploads = {"snapshot_inputs": STACKED, "snapshot_labels": STACKED}
+    uploads = {"snapshot_inputs": STACKED, "snapshot_labels": STACKED,
+               "diagnostic_update": SUMMED}  # the last only with diagnostics
     clips_updates = False  # a snapshot is not a clipped sum: client-level DP does not apply
     client_class = OSFEDClient
 
@@ -311,8 +339,21 @@ class OSFED(SnapshotGeometry, FedAvg):
         match_eps: float = 1e-8,
         error_feedback: bool = True,
         seed: int = 0,
+        cell_scale: float = 1.0,
+        error_feedback_bound: float | None = None,
+        error_feedback_decay: float = 1.0,
+        lr_schedule: str = "constant",
+        lr_final_fraction: float = 0.0,
+        lr_step_rounds: int = 1,
+        lr_gamma: float = 0.1,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        diagnostics: bool = False,
     ) -> None:
         super().__init__(
+            lr_schedule=lr_schedule, lr_final_fraction=lr_final_fraction, lr_step_rounds=lr_step_rounds,
+            lr_gamma=lr_gamma, momentum=momentum, weight_decay=weight_decay,
+            error_feedback_bound=error_feedback_bound, error_feedback_decay=error_feedback_decay,
             num_rounds=num_rounds,
             architecture=architecture,
             hidden_dim=hidden_dim,
@@ -336,28 +377,41 @@ class OSFED(SnapshotGeometry, FedAvg):
                 f"snapshot_resolution must be a multiple of grid_size = {grid_size}, "
                 f"got {snapshot_resolution}"
             )
+        if not cell_scale > 0:
+            raise ValueError(f"cell_scale must be > 0 (1: cells at the input's resolution), got {cell_scale}")
         self.save_hyperparameters()  # OS-FED's own (FedAvg's compression ones do not apply)
-        for key in ("compression", "topk_fraction", "quantize_bits"):  # FedAvg's, not this method's: a fresh build from hparams must work
+        for key in ("compression", "topk_fraction", "quantize_bits", "quantize_symmetric"):  # FedAvg's, not this method's: a fresh build from hparams must work
             self._hparams.pop(key, None)
             self._hparams_initial.pop(key, None)
-        self.grid_size, self.snapshot_resolution = grid_size, snapshot_resolution
+        self.grid_size, self.snapshot_resolution, self.cell_scale = grid_size, snapshot_resolution, cell_scale
+        self.diagnostics = diagnostics
         self.lbfgs_steps, self.lbfgs_history, self.match_eps = lbfgs_steps, lbfgs_history, match_eps
 
     def settings(self) -> dict:
         return {**super().settings(), "grid_size": self.grid_size, "snapshot_resolution": self.snapshot_resolution,
-                "lbfgs_steps": self.lbfgs_steps, "lbfgs_history": self.lbfgs_history, "match_eps": self.match_eps}
+                "lbfgs_steps": self.lbfgs_steps, "lbfgs_history": self.lbfgs_history, "match_eps": self.match_eps,
+                "cell_scale": self.cell_scale, "diagnostics": self.diagnostics}
 
     def setup_problem(self, problem: Problem) -> None:
         super().setup_problem(problem)
         self.setup_snapshots(problem.input_shape, problem.num_classes, grid_size=self.grid_size,
                              snapshot_resolution=self.snapshot_resolution, lbfgs_steps=self.lbfgs_steps,
-                             lbfgs_history=self.lbfgs_history, match_eps=self.match_eps)
+                             lbfgs_history=self.lbfgs_history, match_eps=self.match_eps,
+                             cell_scale=self.cell_scale)
 
-    def upload_bytes_per_client(self, upload: Mapping[str, Tensor]) -> None:
-        """None: the codec counts the dense float32 snapshots (not FedAvg's compressor count)."""
-        return None
+    def upload_bytes_per_client(self, upload: Mapping[str, Tensor]) -> int:
+        """One client's float32 snapshot, c·R² + M²·C (or M²·(d + C)) numbers; the diagnostic
+        upload is not counted."""
+        return FLOAT_BYTES * (self.snapshot_numel + torch.Size(self.label_shape).numel())
 
     def server_update(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, float]:
         """w ← w − η_s ∇L_mean of the stacked snapshots (the survivors', in client order)."""
-        self.apply_update(self.recover(uploads["snapshot_inputs"], uploads["snapshot_labels"]))
-        return {}
+        update = self.recover(uploads["snapshot_inputs"], uploads["snapshot_labels"])
+        self.apply_update(update)
+        if "diagnostic_update" not in uploads:
+            return {}
+        fedavg = uploads["diagnostic_update"].to(update) / num_clients  # mean Δw, FedAvg's step
+        size = fedavg.norm().clamp_min(torch.finfo(update.dtype).tiny)
+        return {"osfed/update_rel_error": float((update - fedavg).norm() / size),
+                "osfed/update_cosine": float(update @ fedavg / (update.norm() * size).clamp_min(torch.finfo(update.dtype).tiny)),
+                "osfed/update_norm_ratio": float(update.norm() / size)}

@@ -63,9 +63,10 @@ class ScaffoldClient(FedAvgClient):
         y = self.flat.flatten(self.local_sgd(round_index, cohort, correction=self.flat.unflatten(c - c_i)))
         steps = local_steps(cohort.client_ids, cohort.clients, epochs=s["local_epochs"],
                             batch_size=s["local_batch_size"]).to(x)
-        # option II: c_i⁺ = c_i − c + (x − y) / (K_i η_l); a client without a step keeps c_i
+        # option II: c_i⁺ = c_i − c + (x − y) / (K_i η_l), η_l this round's step; a client without a step keeps c_i
         trained = steps > 0
-        new_c_i = torch.where(trained[:, None], c_i - c + (x - y) / (steps.clamp_min(1)[:, None] * s["lr"]), c_i)
+        lr = self.round_lr(round_index)
+        new_c_i = torch.where(trained[:, None], c_i - c + (x - y) / (steps.clamp_min(1)[:, None] * lr), c_i)
         # what crosses the wire; under client-level DP (Δy, Δc) clipped as one vector per client
         sent, count = clip_client_updates({"delta_y": as_sent(y - x), "delta_c": as_sent(new_c_i - c_i)}, broadcast)
         self.control.write(cohort.clients[trained], new_c_i[trained])
@@ -79,6 +80,8 @@ class SCAFFOLD(FedAvg):
         num_rounds, architecture, hidden_dim, local_epochs, lr (η_l), local_batch_size,
             sample_fraction, server_lr (η_g), seed: as in FedAvg. Uploads are dense float32
             (no compression: the control variates are not compressed).
+        lr_schedule, lr_final_fraction, lr_step_rounds, lr_gamma: η_l across rounds, as in FedAvg
+            (option II divides by the round's η_l). No momentum: option II assumes plain steps.
     """
 
     uploads = {"delta_y": SUMMED, "delta_c": SUMMED, WITHIN_CLIP: SUMMED}  # the count only under client-level DP
@@ -86,10 +89,12 @@ class SCAFFOLD(FedAvg):
 
     def __init__(self, num_rounds: int = 20, architecture="mlp", hidden_dim: int = 256, local_epochs: int = 1,
                  lr: float = 0.05, local_batch_size: int = 64, sample_fraction: float = 1.0,
-                 server_lr: float = 1.0, seed: int = 0) -> None:
+                 server_lr: float = 1.0, seed: int = 0, lr_schedule: str = "constant",
+                 lr_final_fraction: float = 0.0, lr_step_rounds: int = 1, lr_gamma: float = 0.1) -> None:
         super().__init__(num_rounds=num_rounds, architecture=architecture, hidden_dim=hidden_dim,
                          local_epochs=local_epochs, lr=lr, local_batch_size=local_batch_size,
-                         sample_fraction=sample_fraction, server_lr=server_lr, seed=seed)
+                         sample_fraction=sample_fraction, server_lr=server_lr, seed=seed, lr_schedule=lr_schedule,
+                         lr_final_fraction=lr_final_fraction, lr_step_rounds=lr_step_rounds, lr_gamma=lr_gamma)
         self.save_hyperparameters()  # SCAFFOLD's own (FedAvg's compression ones do not apply)
         for key in ("compression", "topk_fraction", "quantize_bits", "error_feedback"):  # FedAvg's, not this method's: a fresh build from hparams must work
             self._hparams.pop(key, None)
