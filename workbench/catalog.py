@@ -33,7 +33,9 @@ def datasets() -> list[tuple[str, str]]:
     from workbench.data.registry import DATASETS
 
     rows = [(name, f"[{DATASETS.modality(name)}] {_first_line(DATASETS[name])}") for name in DATASETS.names()]
-    return rows + [("synthetic", "[features] Gaussian class blobs drawn in feature space (data.synthetic.*)")]
+    return rows + [("synthetic", "[features] Gaussian class blobs drawn in feature space (data.synthetic.*)"),
+                   ("hf", "[image|text|features] your own data: a folder, CSV/JSON/parquet file or Hugging "
+                          "Face dataset (data.hf.*; pip install -e '.[hf]')")]
 
 
 def backbones() -> list[tuple[str, str]]:
@@ -50,7 +52,9 @@ def partitions() -> list[tuple[str, str]]:
     what = {"iid": "every client an equal random share",
             "dirichlet": "label skew: each class split over clients by Dirichlet(alpha)",
             "shard": "each client a few shards of label-sorted samples",
-            "pathological": "each client only a few classes"}
+            "pathological": "each client only a few classes",
+            "natural": "the data's own clients (dataset hf with hf.client_column)",
+            "flower": "any Flower Datasets partitioner by name (pip install -e '.[hf]')"}
     return [(name, what.get(name, "") + (f" (data.{', data.'.join(params)})" if params else ""))
             for name, params in PARTITION_PARAMS.items()]
 

@@ -36,6 +36,8 @@ class Backbone:
         weights_id: identifies the exact weights, for feature-cache keys:
             "file-sha256:<16 hex>" for a weights file, "timm:<architecture>.<tag>" for timm hub
             weights, "random-init:seed=<s>" for a random init.
+        feature_layers: inner layers whose pooled outputs precede the final vector in the
+            features (`workbench.backbones.layers.with_layers`); () for the final vector only.
     """
 
     name: str
@@ -45,6 +47,7 @@ class Backbone:
     mean: RGB
     std: RGB
     weights_id: str
+    feature_layers: tuple[str, ...] = ()
 
 
 class FrozenFeatureExtractor(nn.Module):

@@ -111,6 +111,8 @@ class TextBackbone:
             "hf:<repo>@<commit>" or "random-init:seed=<s>").
         tokenizer_id: "tokenizer-sha256:<16 hex>" of the tokenizer's full serialization
             (vocabulary, normalizer, pre-tokenizer, special tokens), for feature-cache keys.
+        feature_layers: hidden-state layers pooled before the final vector in the features
+            (`workbench.backbones.layers.with_layers`); () for the final vector only.
     """
 
     name: str
@@ -122,6 +124,7 @@ class TextBackbone:
     normalize: bool
     weights_id: str
     tokenizer_id: str
+    feature_layers: tuple[str, ...] = ()
 
     def tokenize(self, texts: Sequence[str]) -> dict[str, Tensor]:
         """Texts -> `input_ids` and `attention_mask`, (B, L) int64, padded to the longest."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -11,6 +11,7 @@ from lightning import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from workbench.data.hf import OwnData, own_modality
 from workbench.data.partition import partition as assign_clients
 
 PARTITION_PARAMS = {
@@ -18,22 +19,34 @@ PARTITION_PARAMS = {
     "dirichlet": ("alpha", "min_partition_size", "self_balancing"),
     "shard": ("num_shards_per_partition", "shard_size"),
     "pathological": ("num_classes_per_partition",),
+    "natural": (),
+    "flower": ("flower",),
 }
 
 
 
-def check_inputs(dataset: str, inputs: str, backbone: str, cache_dir: str) -> None:
+def check_inputs(dataset: str, inputs: str, backbone: str, cache_dir: str, hf: OwnData | None = None) -> None:
     """What can be known about the data before anything is loaded: the dataset and backbone exist
     and suit each other, and the feature cache can take the features. ValueError naming the
-    choices (PermissionError for the cache)."""
+    choices (PermissionError for the cache). `hf`: the settings of dataset `hf`."""
     from workbench.backbones import backbone_modality, list_backbones
     from workbench.data.features import check_writable
     from workbench.data.registry import DATASETS
 
-    if dataset not in DATASETS:
-        raise ValueError(f"unknown dataset {dataset!r}; choose one of: {', '.join([*DATASETS.names(), 'synthetic'])} "
+    if dataset == "hf":
+        hf = hf or OwnData()
+        hf.check()
+        kind, dataset = own_modality(hf), hf.cache_name()
+        if kind == "features":  # precomputed: no backbone, nothing cached
+            if inputs == "images":
+                raise ValueError("data.hf.feature_column holds precomputed features, not images: "
+                                 "use data.inputs=features")
+            return
+    elif dataset not in DATASETS:
+        raise ValueError(f"unknown dataset {dataset!r}; choose one of: {', '.join([*DATASETS.names(), 'synthetic', 'hf'])} "
                          "(`python -m workbench list` describes them)")
-    kind = DATASETS.modality(dataset)
+    else:
+        kind = DATASETS.modality(dataset)
     if inputs == "images":
         if kind != "image":
             raise ValueError(f"data.inputs=images needs an image dataset; {dataset!r} holds texts: "
@@ -138,12 +151,28 @@ class FederatedDataModule(LightningDataModule):
         precision: `float32`, or `bf16` for a bfloat16-autocast forward (faster only on hardware
             with native bfloat16; features are stored float32 either way, and the precision is
             part of the cache key).
+        feature_layers: multi-depth features: inner layers whose pooled outputs are cached and
+            concatenated before the final pooled vector, e.g. `[all_stages]` or `[blocks.2,
+            blocks.4]` (timm module names; text backbones: hidden-state indices);
+            `workbench.backbones.layers` says how each is pooled. Part of the cache key; empty:
+            the final vector only (the same cache as before the setting existed).
+        standardize: per-feature standardization from federated sums, before any method sees the
+            data: each client sends Σx, Σx² (d each) and its count, the server broadcasts mean and
+            std (d each), and every split is mapped to (x − mean) / std. These 2d + 1 numbers up
+            and 2d down per client are in `standardization_bytes`, not in the methods' `comm/*`.
+            What it changes: AFL, DeepAFL, SAFLe and the other ridge heads (the same γ is a
+            different regularization on rescaled features; AFL stays exactly centralized ridge on
+            the standardized features), LDA-type heads only through their shrinkage (without it
+            LDA is invariant to per-feature affine maps), SAFLe's `fixed` buckets (per-sample
+            z-scores) and the gradient methods' optimization.
         cache_dir: where extracted features are stored.
         extract_batch_size: images or texts per backbone forward.
         device: device of the backbone forward (`auto`: CUDA when present).
         num_clients: K.
         partition: `iid`, `dirichlet`, `shard` or `pathological`; the parameters below that
-            the scheme uses follow Flower datasets' names.
+            the scheme uses follow Flower datasets' names. `natural`: the data's own clients
+            (`hf.client_column`; ids grouped when num_clients is smaller). `flower`: a Flower
+            Datasets partitioner, see `flower`.
         seed: seed of the partition and of the validation hold-out.
         personalized: the personalized protocol: after partitioning, each client's share is
             split (stratified by class, seeded) into its own train and local test data; test
@@ -154,6 +183,11 @@ class FederatedDataModule(LightningDataModule):
         batch_size: samples per evaluation batch, and per chunk where a client computes its
             statistics in chunks to bound memory.
         synthetic: parameters of the `synthetic` dataset.
+        hf: dataset `hf`, your own data through Hugging Face `datasets` (`workbench.data.hf.OwnData`:
+            path, columns, splits).
+        flower: for `partition: flower`, `{partitioner: <name>, by: label|client, <its arguments>}`,
+            e.g. `{partitioner: linear}` or `{partitioner: inner_dirichlet, partition_sizes: [...],
+            alpha: 0.5}` (`pip install -e '.[hf]'`).
     """
 
     def __init__(
@@ -171,11 +205,13 @@ class FederatedDataModule(LightningDataModule):
         max_length: int | None = None,
         pooling: str | None = None,
         precision: Literal["float32", "bf16"] = "float32",
+        feature_layers: list[str] | None = None,
+        standardize: bool = False,
         cache_dir: str = "~/.cache/workbench/features",
         extract_batch_size: int = 256,
         device: str = "auto",
         num_clients: int = 10,
-        partition: Literal["iid", "dirichlet", "shard", "pathological"] = "dirichlet",
+        partition: Literal["iid", "dirichlet", "shard", "pathological", "natural", "flower"] = "dirichlet",
         alpha: float = 0.5,
         min_partition_size: int = 10,
         self_balancing: bool = False,
@@ -188,6 +224,8 @@ class FederatedDataModule(LightningDataModule):
         val_fraction: float = 0.0,
         batch_size: int = 4096,
         synthetic: SyntheticBlobs = SyntheticBlobs(),
+        hf: OwnData = OwnData(),
+        flower: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if partition not in PARTITION_PARAMS:
@@ -210,11 +248,27 @@ class FederatedDataModule(LightningDataModule):
             raise ValueError("batch_size and extract_batch_size must be ≥ 1")
         if precision not in ("float32", "bf16"):
             raise ValueError(f"data.precision must be 'float32' or 'bf16', got {precision!r}")
+        if feature_layers and (dataset == "synthetic" or inputs == "images"):
+            raise ValueError("data.feature_layers picks backbone layers, and this data has no backbone "
+                             f"(dataset {dataset!r}, inputs {inputs!r}): drop feature_layers or use backbone features")
+        if standardize and inputs == "images":
+            raise ValueError("data.standardize applies to feature vectors: use data.inputs=features or drop it")
+        by_client = partition == "natural" or (partition == "flower" and (flower or {}).get("by") == "client")
+        if by_client and (dataset != "hf" or not hf.client_column):
+            raise ValueError(f"data.partition={partition} partitions by the data's own client ids: use "
+                             "data.dataset=hf and name the column in data.hf.client_column")
+        if partition == "flower" and (not (flower or {}).get("partitioner")
+                                      or flower.get("by", "label") not in ("label", "client")):
+            raise ValueError("data.partition=flower needs data.flower.partitioner, a Flower Datasets "
+                             "partitioner name (e.g. linear, inner_dirichlet), its arguments in data.flower, "
+                             f"and optionally by: label (default) or client; got {flower!r}")
         if dataset != "synthetic":
-            check_inputs(dataset, inputs, backbone, cache_dir)
+            check_inputs(dataset, inputs, backbone, cache_dir, hf)
         self.save_hyperparameters()
         self.args = self.hparams
         self.synthetic = synthetic
+        self.hf = hf
+        self._natural_ids: Tensor | None = None  # dataset hf: the train rows' client-column ids
         self._ready = False
 
     # ---- the shape of the problem ---------------------------------------------------------
@@ -243,8 +297,11 @@ class FederatedDataModule(LightningDataModule):
         args = self.args
         main_param = PARTITION_PARAMS[args.partition][:1]  # the one that sets the skew
         params = ",".join(f"{name}={args[name]}" for name in main_param)
-        no_backbone = args.dataset == "synthetic" or args.inputs == "images"
-        return {"dataset": args.dataset,
+        if args.partition == "flower":  # the Flower partitioner's name, not its whole settings
+            params = str(args.flower["partitioner"])
+        no_backbone = (args.dataset == "synthetic" or args.inputs == "images"
+                       or (args.dataset == "hf" and own_modality(self.hf) == "features"))
+        return {"dataset": self.hf.cache_name() if args.dataset == "hf" else args.dataset,
                 "backbone": "none" if no_backbone else args.backbone,
                 "partition": f"{args.partition}({params})" if params else args.partition,
                 "num_clients": str(args.num_clients)}
@@ -272,11 +329,13 @@ class FederatedDataModule(LightningDataModule):
             x_train, y_train, x_test, y_test = self._images()
         else:
             x_train, y_train, x_test, y_test = self._backbone_features()
+        natural_ids = self._natural_ids
         if self.args.val_fraction > 0:
             val_mask = stratified_holdout(y_train, self.args.val_fraction, self.args.seed)
             self.val_features, self.val_labels = x_train[val_mask], y_train[val_mask]
             x_train, y_train = x_train[~val_mask], y_train[~val_mask]
-        client_ids = self._partition(y_train)
+            natural_ids = None if natural_ids is None else natural_ids[~val_mask]
+        client_ids = self._partition(y_train, natural_ids)
         on_a_client = client_ids >= 0  # shard and pathological partitions may leave samples out
         x_train, y_train, client_ids = x_train[on_a_client], y_train[on_a_client], client_ids[on_a_client]
         if self.args.personalized:
@@ -291,8 +350,25 @@ class FederatedDataModule(LightningDataModule):
         self.train_features, self.train_labels, self.train_client_ids = (
             x_train[order], y_train[order], client_ids[order])
         self.test_features, self.test_labels = x_test, y_test
+        if self.args.standardize:
+            self._standardize()
         self._check_finite()
         self._ready = True
+
+    def _standardize(self) -> None:
+        """Maps every split with the mean/std the server derives from the clients' sums."""
+        from workbench.data.features import client_sums, standardization
+
+        if not self.train_features.is_floating_point() or self.train_features.ndim != 2:
+            raise ValueError("data.standardize applies to feature vectors: use data.inputs=features")
+        sums = client_sums(self.train_features, self.train_client_ids, self.num_clients)
+        mean, std = standardization(*sums)
+        d = len(mean)
+        self.standardization_bytes = {"up_per_client": 8 * (2 * d + 1), "down_per_client": 8 * 2 * d}
+        dtype = self.train_features.dtype
+        for name in ("train_features", "test_features", "val_features", "local_test_features"):
+            if hasattr(self, name):
+                setattr(self, name, ((getattr(self, name).double() - mean) / std).to(dtype))
 
     def _check_finite(self) -> None:
         """NaN/inf in any split's inputs is an error naming the split, the rows and their clients."""
@@ -322,22 +398,27 @@ class FederatedDataModule(LightningDataModule):
 
     def _backbone_features(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         from workbench.backbones import build_backbone
-        from workbench.data.registry import dataset_modality, load_dataset
+        from workbench.backbones.layers import with_layers
+        from workbench.data.registry import dataset_modality
         from workbench.data.features import cached_features
 
         args = self.args
-        kind = dataset_modality(args.dataset)
-        data = load_dataset(args.dataset, data_dir=args.data_dir, download=args.download)
+        data = self._raw_data()
         self._num_classes = len(data.classes)
+        if args.dataset == "hf" and own_modality(self.hf) == "features":  # precomputed: no backbone
+            return data.train.features, data.train.labels, data.test.features, data.test.labels
+        kind = own_modality(self.hf) if args.dataset == "hf" else dataset_modality(args.dataset)
         backbone = build_backbone(args.backbone, pretrained=args.pretrained, weights_path=args.weights_path,
                                   input_size=args.input_size, mean=args.mean, std=args.std,
                                   max_length=args.max_length, pooling=args.pooling)
+        backbone = with_layers(backbone, args.feature_layers)
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         splits = []
         for split_name, split in (("train", data.train), ("test", data.test)):
             inputs = split.texts if kind == "text" else split.images
             features = cached_features(backbone, inputs, split.labels, cache_dir=args.cache_dir,
-                                       dataset=args.dataset, split=split_name, source=data.source,
+                                       dataset=data.name if args.dataset == "hf" else args.dataset,
+                                       split=split_name, source=data.source,
                                        batch_size=args.extract_batch_size, device=device,
                                        precision=args.precision)
             splits += [features, split.labels]
@@ -345,9 +426,7 @@ class FederatedDataModule(LightningDataModule):
 
     def _images(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Raw images as float (n, c, H, W) in [-1, 1] (a fixed, data-free scaling)."""
-        from workbench.data.registry import load_dataset
-
-        data = load_dataset(self.args.dataset, data_dir=self.args.data_dir, download=self.args.download)
+        data = self._raw_data()
         self._num_classes = len(data.classes)
 
         def to_float(images: Tensor) -> Tensor:  # (n, H, W[, 3]) uint8 -> (n, c, H, W)
@@ -356,10 +435,33 @@ class FederatedDataModule(LightningDataModule):
 
         return to_float(data.train.images), data.train.labels, to_float(data.test.images), data.test.labels
 
-    def _partition(self, labels: Tensor) -> Tensor:
+    def _raw_data(self):
+        """The raw dataset; for dataset hf also keeps the train rows' natural client ids."""
+        if self.args.dataset == "hf":
+            from workbench.data.hf import load_own_data
+
+            own = load_own_data(self.hf, self.args.data_dir)
+            self._natural_ids = own.train_client_ids
+            return own.data
+        from workbench.data.registry import load_dataset
+
+        return load_dataset(self.args.dataset, data_dir=self.args.data_dir, download=self.args.download)
+
+    def _partition(self, labels: Tensor, natural_ids: Tensor | None = None) -> Tensor:
+        """Client of each training row, by label, or by the data's own client ids (`natural`,
+        and `flower` with `by: client`)."""
         args = self.args
-        params = {name: args[name] for name in PARTITION_PARAMS[args.partition]}
-        ids = assign_clients(labels.numpy(), args.partition, args.num_clients, seed=args.seed, **params)
+        if args.partition == "flower":
+            params = {name: value for name, value in args.flower.items() if name != "by"}
+            by_client = args.flower.get("by", "label") == "client"
+        else:
+            params = {name: args[name] for name in PARTITION_PARAMS[args.partition]}
+            by_client = args.partition == "natural"
+        if by_client and natural_ids is None:
+            raise ValueError(f"data.partition={args.partition} partitions by client ids, and this data has "
+                             "none: name the column in data.hf.client_column")
+        keys = natural_ids if by_client else labels
+        ids = assign_clients(keys.numpy(), args.partition, args.num_clients, seed=args.seed, **params)
         return torch.from_numpy(np.asarray(ids, dtype=np.int64))
 
     # ---- loaders ----------------------------------------------------------------------------

@@ -12,6 +12,9 @@ are stored float32 either way. bf16 is not the default: on CPUs without native b
 instructions it is several times slower (benchmarks/backbones.py measures it). The precision
 enters the key only when it is not float32, so float32 keys are the ones written before the
 option existed and old caches stay valid.
+
+Multi-depth features (`backbone.feature_layers`, see `workbench.backbones.layers`) enter the key
+the same way: as `layers` only when some are chosen, so last-layer keys are unchanged.
 """
 from __future__ import annotations
 
@@ -204,6 +207,8 @@ def cached_features(backbone, inputs: Tensor | Sequence[str], labels: Tensor, *,
                   transform=transform_fields(backbone))
     if check_precision(precision) != "float32":
         fields["precision"] = precision
+    if getattr(backbone, "feature_layers", ()):
+        fields["layers"] = list(backbone.feature_layers)
     key = cache_key(**fields)
     path = cache_path(cache_dir, dataset, split, backbone.name, key)
     if path.exists():
@@ -218,3 +223,26 @@ def cached_features(backbone, inputs: Tensor | Sequence[str], labels: Tensor, *,
         features = extract(backbone, inputs, batch_size, device, desc=f"{dataset}/{split}", precision=precision)
         _save({"key": key, "features": features, "labels": labels.clone()}, temporary)
     return features
+
+
+def client_sums(features: Tensor, client_ids: Tensor, num_clients: int) -> tuple[Tensor, Tensor, Tensor]:
+    """What each client sends for the standardization: Σx (K, d), Σx² (K, d), n (K,), float64."""
+    x = features.double()
+    sums = torch.zeros(num_clients, x.shape[1], dtype=torch.float64).index_add_(0, client_ids, x)
+    squares = torch.zeros_like(sums).index_add_(0, client_ids, x * x)
+    counts = torch.bincount(client_ids, minlength=num_clients).double()
+    return sums, squares, counts
+
+
+def standardization(sums: Tensor, squares: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
+    """The server's mean and std (d,), float64, from the clients' summed Σx, Σx², n.
+
+    Equal to the centralized per-feature mean and (population) std of the pooled training rows.
+    A feature that is constant over them (std ≤ 1e-6 of the largest std: EfficientNet-Lite0 has
+    channels that stay at zero on grayscale images) keeps scale 1, so it is centered, not blown up.
+    """
+    n = counts.sum()
+    mean = sums.sum(0) / n
+    var = (squares.sum(0) / n - mean * mean).clamp(min=0)
+    std = var.sqrt()
+    return mean, torch.where(std > 1e-6 * std.max(), std, torch.ones_like(std))

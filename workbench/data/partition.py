@@ -6,6 +6,13 @@ client holds at least one sample. Two documented cases leave samples out, marked
 (-1): `shard` with an explicit `shard_size`, and `pathological` with fewer class slots than
 classes. Parameter names follow the Flower Datasets partitioners. All randomness comes from
 `np.random.default_rng(seed)`, so a seed fixes the split.
+
+`natural` partitions by the data's own client ids instead of by labels, and `flower` runs any
+Flower Datasets partitioner itself (optional extra `hf`). `iid` assigns exactly as Flower's
+`IidPartitioner` after `Dataset.shuffle(seed=seed)`; `dirichlet` and `shard` draw from the same
+distributions as Flower's namesakes but use the random stream differently, so the same seed gives
+a different, equally distributed assignment; `pathological` deals classes to the least-held first
+where Flower's picks them at random (tests/test_partition.py).
 """
 from __future__ import annotations
 
@@ -265,11 +272,97 @@ def pathological(
     return client_ids
 
 
+def natural(labels: np.ndarray, num_partitions: int, seed: int = 0) -> np.ndarray:
+    """The data's own clients: `labels` here are natural client ids (writer, user, device).
+
+    With as many partitions as distinct ids, partition k holds the k-th smallest id. With fewer,
+    the ids are dealt at random (seeded) into `num_partitions` groups whose numbers of ids differ
+    by at most one, and a partition holds all samples of its ids, so no id is ever split.
+
+    labels: shape `(N,)`, integer client ids. Returns client ids, shape `(N,)`, int64.
+    """
+    labels = _validated_labels(labels)
+    num_partitions = _require_int("num_partitions", num_partitions, 1)
+    _, dense = np.unique(labels, return_inverse=True)
+    num_ids = int(dense.max()) + 1 if dense.size else 0
+    if num_partitions > num_ids:
+        raise ValueError(
+            f"natural partitioning into num_partitions={num_partitions} clients needs at least as "
+            f"many distinct client ids, but the data has {num_ids}, so some client would hold no "
+            f"samples; set num_clients to at most {num_ids} (ids are grouped when it is smaller)"
+        )
+    if num_partitions == num_ids:
+        return dense.astype(np.int64)
+    group_of_id = np.empty(num_ids, dtype=np.int64)
+    group_of_id[_rng(seed).permutation(num_ids)] = _even_split_ids(num_ids, num_partitions)
+    return group_of_id[dense]
+
+
+def flower(
+    labels: np.ndarray, num_partitions: int, partitioner: str, seed: int = 0, **params: Any
+) -> np.ndarray:
+    """Any Flower Datasets partitioner, by class name (`LinearPartitioner`) or short name
+    (`linear`, `inner_dirichlet`), with its own keyword arguments `params`.
+
+    The partitioner sees a Hugging Face dataset with one column, `partition_by`, holding
+    `labels` (class labels, or client ids for `NaturalIdPartitioner`), shuffled first with
+    `Dataset.shuffle(seed=seed)` as Flower's `FederatedDataset(shuffle=True, seed=seed)` does;
+    partitioners that take a `seed` get it too. Needs `pip install -e '.[hf]'`.
+
+    labels: shape `(N,)`. Returns client ids, shape `(N,)`, int64; samples in no partition
+    get `UNASSIGNED`.
+    """
+    labels = _validated_labels(labels)
+    num_partitions = _require_int("num_partitions", num_partitions, 1)
+    seed = _require_int("seed", seed, 0)
+    try:
+        import datasets
+        from flwr_datasets import partitioner as flower_partitioners
+    except ImportError as error:
+        raise ImportError("partition 'flower' needs Flower Datasets: pip install -e '.[hf]'") from error
+    names = {name for name in flower_partitioners.__all__ if name.endswith("Partitioner")
+             and name not in ("Partitioner",) and not name.startswith("Vertical")}
+    wanted = str(partitioner).replace("_", "").replace("-", "").lower()
+    matches = [n for n in names if wanted in (n.lower(), n.lower().removesuffix("partitioner"))]
+    if not matches:
+        raise ValueError(f"unknown Flower partitioner {partitioner!r}; known: {', '.join(sorted(names))}")
+    cls = getattr(flower_partitioners, matches[0])
+    accepted = inspect.signature(cls).parameters
+    given = {"num_partitions": num_partitions, "partition_by": "partition_by", "seed": seed}
+    kwargs = {name: value for name, value in given.items() if name in accepted} | params
+    try:
+        instance = cls(**kwargs)
+    except TypeError as error:
+        options = ", ".join(n for n in accepted if n not in given)
+        raise ValueError(f"Flower {matches[0]} rejects the arguments {sorted(params)} ({error}); "
+                         f"it accepts {options}") from None
+    rows = np.arange(labels.size)
+    shuffled = np.random.default_rng(seed).permutation(labels.size)  # = Dataset.shuffle(seed=seed)
+    instance.dataset = datasets.Dataset.from_dict(
+        {"partition_by": labels[shuffled], "row": rows[shuffled]})
+    if instance.num_partitions != num_partitions:
+        raise ValueError(f"Flower {matches[0]} makes {instance.num_partitions} partitions of these "
+                         f"data but num_partitions={num_partitions}: set num_clients to "
+                         f"{instance.num_partitions}")
+    client_ids = np.full(labels.size, UNASSIGNED, dtype=np.int64)
+    for client in range(num_partitions):
+        held = np.asarray(instance.load_partition(client)["row"], dtype=np.int64)
+        if held.size == 0:
+            raise ValueError(f"Flower {matches[0]} left partition {client} empty; lower num_clients "
+                             "or change its arguments")
+        if np.any(client_ids[held] != UNASSIGNED):
+            raise ValueError(f"Flower {matches[0]} put some samples in two partitions")
+        client_ids[held] = client
+    return client_ids
+
+
 PARTITIONERS: dict[str, Callable[..., np.ndarray]] = {
     "iid": iid,
     "dirichlet": dirichlet,
     "shard": shard,
     "pathological": pathological,
+    "natural": natural,
+    "flower": flower,
 }
 _COMMON_PARAMS = ("labels", "num_partitions", "seed")
 
@@ -287,6 +380,8 @@ def partition(
             f"unknown partition scheme {scheme!r}; known schemes: {', '.join(PARTITIONERS)}"
         )
     partitioner = PARTITIONERS[scheme]
+    if scheme == "flower":  # its parameters are the chosen Flower partitioner's own
+        return partitioner(labels, num_partitions, seed=seed, **params)
     signature = inspect.signature(partitioner).parameters
     accepted = [name for name in signature if name not in _COMMON_PARAMS]
     unexpected = sorted(set(params) - set(accepted))
