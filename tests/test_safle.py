@@ -9,8 +9,8 @@ import yaml
 
 from workbench.cli import main
 from workbench.data import FederatedDataModule, SyntheticBlobs
-from workbench.linalg import multi_hot_gram
 from workbench.engines.local import LocalClients
+from workbench.linalg import multi_hot_gram
 from workbench.methods import Problem, SAFLe
 
 BLOBS = SyntheticBlobs(num_classes=10, dim=6, train_size=1500, test_size=300, seed=1)
@@ -302,3 +302,138 @@ def test_bad_hyperparameters_are_rejected(bad, match):
 def test_groups_larger_than_the_digits_are_rejected():
     with pytest.raises(ValueError, match="group_size"):
         set_up(SAFLe(bucketing="integer", levels=2, group_size=7), data(num_clients=2, partition="iid"))
+
+
+# ---- the paper's scale: the cg solver, quantile thresholds, γ from the hold-outs ------------------
+def fit_rounds(method: SAFLe, clients: list[LocalClients], num_clients: int) -> dict[str, float]:
+    """Every round by hand, summing the uploads of `clients` (client halves, e.g. one per client)."""
+    metrics = {}
+    while method.rounds_left:
+        broadcast = method.broadcast()
+        summed = {}
+        for served in clients:
+            upload, _ = served.half.client_update(method.round, broadcast, served.data)
+            summed = {name: summed.get(name, 0) + value for name, value in upload.items()}
+        metrics.update(method.server_update(summed, num_clients))
+        method.rounds_done += 1
+    return metrics
+
+
+@pytest.mark.parametrize("thresholds", ["fixed", "quantile"])
+def test_cg_solver_equals_the_dense_cholesky_solve(fit_method, thresholds):
+    dm = data(partition="dirichlet", alpha=0.3, num_clients=10)
+    settings = dict(thresholds=thresholds, gamma=2.0, gamma_out=0.5, **SMALL)
+    dense, sparse = SAFLe(**settings), SAFLe(**settings, solver="cg", cg_tolerance=1e-12)
+    dense_engine, sparse_engine = fit_method(dense, dm), fit_method(sparse, dm)
+    assert relative_error(sparse.embedding, dense.embedding) <= 1e-6
+    assert sparse.row_ledger == []  # the rows are dropped once solved
+    # the protocol's bytes: the packed Gram is counted although the cg server never forms it
+    for name in ("comm/bytes_up", "comm/bytes_down", "comm/rounds"):
+        assert sparse_engine.fit_metrics[name] == dense_engine.fit_metrics[name], name
+
+
+def test_cg_solver_goes_beyond_the_dense_limit_and_stays_exact():
+    """E·V = 2^17 rows (the dense Gram would be 128 GiB): the cg solution still satisfies the
+    normal equations (ΦᵀΦ + γ_out I) W = ΦᵀY, checked row by row from the sparse design."""
+    dm = data(num_clients=3, partition="iid")
+    method = set_up(SAFLe(experts=4, group_size=15, levels=3, gamma_out=2.0, solver="cg", cg_tolerance=1e-12), dm)
+    assert method.embedding_rows == 4 * 2 ** 15
+    fit_rounds(method, [local_clients(method, dm)], 3)
+    active = method.expert_indices(dm.train_features)
+    onehot_y = torch.nn.functional.one_hot(dm.train_labels, dm.num_classes).double()
+    residual_rows = method.embedding[active].sum(1) - onehot_y  # ΦW − Y: (n, C)
+    normal = torch.zeros_like(method.embedding).index_add_(0, active.flatten(),
+                                                           residual_rows.repeat_interleave(active.shape[1], 0))
+    normal += 2.0 * method.embedding  # Φᵀ(ΦW − Y) + γ_out W = 0
+    assert float(normal.abs().max()) <= 1e-8
+
+
+def test_cg_solver_without_the_clients_rows_is_a_clear_error():
+    """Under Flower or several processes the server never sees the rows: the round's count
+    does not match what it holds."""
+    dm = data(num_clients=4, partition="iid")
+    method = set_up(SAFLe(solver="cg", **SMALL), dm)
+    elsewhere = local_clients(set_up(SAFLe(solver="cg", **SMALL), dm), dm)  # another process's method
+    uploads, _ = elsewhere.half.client_update(0, method.broadcast(), elsewhere.data)
+    with pytest.raises(ValueError, match="solver 'dense'"):
+        method.server_update(uploads, 4)
+
+
+def test_quantile_thresholds_are_the_pooled_empirical_quantiles_whatever_the_partition():
+    dm = data(partition="dirichlet", alpha=0.1, num_clients=10)
+    methods = []
+    for one_by_one in (False, True):
+        method = set_up(SAFLe(thresholds="quantile", **SMALL), dm)
+        if one_by_one:
+            clients = [LocalClients(set_up(SAFLe(thresholds="quantile", **SMALL), dm), dm.train_features[mine],
+                                    dm.train_labels[mine], dm.train_client_ids[mine], torch.tensor([k]), 64)
+                       for k in torch.unique(dm.train_client_ids).tolist()
+                       for mine in [dm.train_client_ids == k]]
+        else:
+            clients = [local_clients(method, dm)]
+        assert fit_rounds(method, clients, 10) == {} and method.num_rounds == 3
+        methods.append(method)
+    assert torch.equal(methods[0].feature_cuts, methods[1].feature_cuts)
+    assert relative_error(methods[0].embedding, methods[1].embedding) <= 1e-10
+    z = pooled_z(dm.train_features)
+    regions = SMALL["levels"] + 1
+    exact = torch.quantile(z, torch.arange(1, regions, dtype=torch.float64) / regions, dim=0).T  # (d, T)
+    assert float((methods[0].feature_cuts - exact).abs().max()) <= 16 / 512  # one bin of the histogram
+    shares = torch.stack([(methods[0].regions(dm.train_features) == r).double().mean(0) for r in range(regions)])
+    assert float((shares - 1 / regions).abs().max()) <= 0.02  # equally likely regions, feature by feature
+
+
+@pytest.mark.parametrize("solver", ["dense", "cg"])
+def test_gamma_out_is_chosen_on_the_holdouts_and_refit_on_every_row(fit_method, solver):
+    dm = data(partition="dirichlet", alpha=0.3, num_clients=8)
+    grid = [0.01, 1.0, 100.0, 10000.0]
+    method = SAFLe(gamma_grid=grid, gamma=1.0, solver=solver, cg_tolerance=1e-12, **SMALL)
+    engine = fit_method(method, dm)
+    assert engine.fit_metrics["comm/rounds"] == method.num_rounds == 2
+    # the same choice from the definition: centralized ridge on the rows the clients kept
+    from workbench.methods.ridge_selection import client_holdout
+    held = client_holdout(dm.train_labels, dm.train_client_ids, torch.unique(dm.train_client_ids), 0.1, 0)
+    phi = dense_phi(reference_indices(method, per_sample_z(dm.train_features)), method.embedding_rows)
+    onehot_y = torch.nn.functional.one_hot(dm.train_labels, dm.num_classes).double()
+    eye = torch.eye(phi.shape[1], dtype=phi.dtype)
+    scores = []
+    for value in grid:
+        kept = torch.linalg.solve(phi[~held].T @ phi[~held] + value * eye, phi[~held].T @ onehot_y[~held])
+        scores.append(float(((phi[held] @ kept).argmax(1) == dm.train_labels[held]).double().mean()))
+    chosen = grid[max(range(len(grid)), key=lambda i: (scores[i], -i))]
+    assert float(method.selected_gamma_out) == chosen == engine.fit_metrics["safle/gamma"]
+    assert torch.allclose(method.holdout_accuracy, torch.tensor(scores, dtype=torch.float64))
+    assert len(set(scores)) > 1  # the grid matters on this data
+    final = torch.linalg.solve(phi.T @ phi + chosen * eye, phi.T @ onehot_y)
+    assert relative_error(method.embedding, final) <= 1e-6
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(solver="lsqr"), "solver"),
+    (dict(solver="cg", raw_features=True), "raw_features"),
+    (dict(gamma_grid=[1.0, 0.0]), "gamma_grid"),
+    (dict(gamma_grid=[]), "gamma_grid"),
+    (dict(holdout_fraction=1.0), "holdout_fraction"),
+    (dict(experts=4096, group_size=6), "solver 'cg'"),
+])
+def test_bad_scale_settings_are_rejected(bad, match):
+    with pytest.raises(ValueError, match=match):
+        SAFLe(**bad)
+
+
+def test_multi_hot_ridge_solves_every_column_with_its_own_ridge_and_from_a_warm_start():
+    from workbench.linalg import MultiHotDesign, multi_hot_ridge
+    generator = torch.Generator().manual_seed(0)
+    active = torch.randint(0, 7, (200, 5), generator=generator) + 7 * torch.arange(5)  # slot j in block j
+    rhs = torch.randn(35, 6, generator=generator, dtype=torch.float64)
+    shifts = torch.tensor([0.1, 1.0, 10.0, 0.1, 1.0, 10.0], dtype=torch.float64)
+    design = MultiHotDesign(active, 35)
+    solution, iterations = multi_hot_ridge(design, rhs, shifts, tolerance=1e-13)
+    gram = multi_hot_gram(active, 35)
+    for c in range(6):
+        exact = torch.linalg.solve(gram + shifts[c] * torch.eye(35, dtype=torch.float64), rhs[:, c])
+        assert relative_error(solution[:, c], exact) <= 1e-10
+    assert 0 < iterations <= 35 + 5  # CG: at most the size, up to rounding
+    assert multi_hot_ridge(design, rhs, shifts, tolerance=1e-10, initial=solution)[1] == 0  # already solved
+    with pytest.raises(ValueError, match="ridge > 0"):
+        multi_hot_ridge(design, rhs, torch.zeros(6, dtype=torch.float64))

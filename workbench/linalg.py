@@ -192,3 +192,86 @@ def grouped_matmul(features: Tensor, matrices: Tensor, groups: Tensor, *, max_ch
     for chunk, rows, valid in _padded_group_chunks(groups, len(matrices), group_bytes, max_chunk_bytes):
         out[rows[valid]] = (features[rows] @ matrices[chunk])[valid]
     return out
+
+
+class MultiHotDesign:
+    """A multi-hot design Φ ∈ {0,1}^{n×size} (the ones at `active`'s columns, as in `multi_hot_gram`)
+    that applies `ΦᵀΦ` without forming it: Φ and Φᵀ as sparse CSR matrices of n·m ones each.
+
+    Memory is two copies of the n·m indices and ones (plus vectors), never size²: the operator
+    behind `multi_hot_ridge` when the size × size Gram would not fit.
+    """
+
+    def __init__(self, active: Tensor, size: int, *, dtype: torch.dtype = torch.float64) -> None:
+        n, m = active.shape
+        index_dtype = torch.int32 if n * m < 2 ** 31 - 1 and max(n, size) < 2 ** 31 - 1 else torch.long
+        columns = active.flatten()
+        ones = torch.ones(n * m, dtype=dtype, device=active.device)
+        row_starts = torch.arange(0, n * m + 1, m, dtype=index_dtype, device=active.device)
+        with warnings.catch_warnings():  # "sparse CSR support is in beta": the products used here are plain
+            warnings.simplefilter("ignore", UserWarning)
+            self.design = torch.sparse_csr_tensor(row_starts, columns.to(index_dtype), ones, (n, size),
+                                                  check_invariants=False)
+        # Φᵀ in CSR: the nonzeros ordered by column; building it by a sort avoids COO's n·m int64 pairs
+        order = torch.argsort(columns, stable=True)
+        counts = torch.bincount(columns, minlength=size)
+        column_starts = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(index_dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            self.transposed = torch.sparse_csr_tensor(column_starts, (order // m).to(index_dtype), ones, (size, n),
+                                                      check_invariants=False)
+        self.diagonal = counts.to(dtype)  # diag(ΦᵀΦ): every row counts once at each of its columns
+        self.size, self.dtype = size, dtype
+
+    def gram_times(self, vectors: Tensor) -> Tensor:
+        """`ΦᵀΦ V`: (size, k) -> (size, k), as Φᵀ(Φ V)."""
+        return self.transposed @ (self.design @ vectors)
+
+
+def multi_hot_ridge(design: MultiHotDesign, rhs: Tensor, shifts: Tensor, *, tolerance: float = 1e-10,
+                    max_iterations: int | None = None, initial: Tensor | None = None) -> tuple[Tensor, int]:
+    """Solve `(ΦᵀΦ + s_c I) w_c = b_c` for every column c by Jacobi-preconditioned conjugate gradients.
+
+    rhs: (size, k); shifts: (k,) > 0, one ridge per column (several ridges share each product with
+    ΦᵀΦ). Each column runs its own CG (its own step sizes), stopping once every column's residual
+    is ≤ `tolerance` · |b_c|: the ridge solution to that tolerance, as the Cholesky solve of the
+    dense Gram gives it. The preconditioner diag(ΦᵀΦ) + s is exact on the Gram's diagonal blocks
+    when every slot of Φ keeps to its own block of columns (SAFLe: a table's rows are never
+    active together). `initial` (size, k) starts the iterations (e.g. a nearby ridge's solution).
+    Returns (W (size, k), iterations).
+    """
+    if not bool((shifts > 0).all()):
+        raise ValueError(f"multi_hot_ridge needs every ridge > 0 (ΦᵀΦ is singular), got {shifts.tolist()}")
+    shifts = shifts.to(rhs)
+    preconditioner = 1 / (design.diagonal.to(rhs)[:, None] + shifts)  # (size, k)
+    solution = torch.zeros_like(rhs) if initial is None else initial.to(rhs).clone()
+    residual = rhs.clone() if initial is None else rhs - design.gram_times(solution) - shifts * solution
+    target = tolerance * rhs.norm(dim=0)
+    live = torch.nonzero(residual.norm(dim=0) > target).squeeze(1)  # the columns still iterating
+    # only the live columns are carried and multiplied: a converged column costs nothing more
+    residual, preconditioner, shifts, target = residual[:, live], preconditioner[:, live], shifts[live], target[live]
+    x = solution[:, live]
+    direction = preconditioner * residual
+    rho = (residual * direction).sum(0)
+    limit = max_iterations if max_iterations is not None else 2000
+    for iteration in range(1, limit + 1):
+        if len(live) == 0:
+            return solution, iteration - 1
+        product = design.gram_times(direction) + shifts * direction
+        step = rho / (direction * product).sum(0)
+        x += step * direction
+        residual -= step * product
+        done = residual.norm(dim=0) <= target
+        if bool(done.any()):  # write the converged columns back and drop them
+            solution[:, live[done]] = x[:, done]
+            keep = ~done
+            live, x, residual, direction = live[keep], x[:, keep], residual[:, keep], direction[:, keep]
+            preconditioner, shifts, target, rho = preconditioner[:, keep], shifts[keep], target[keep], rho[keep]
+        preconditioned = preconditioner * residual
+        rho_next = (residual * preconditioned).sum(0)
+        direction = preconditioned + (rho_next / rho) * direction
+        rho = rho_next
+    if len(live) == 0:
+        return solution, limit
+    raise RuntimeError(f"conjugate gradients did not reach a relative residual of {tolerance:g} in {limit} "
+                       "iterations; raise the ridge or the tolerance")

@@ -19,10 +19,17 @@ model or leave it exactly, without a new round:
 them: its "gram" includes each client's γI once, as in the round). Both equal a refit from scratch on the
 resulting set of clients. A server can only remove a client whose statistics it is given (e.g.
 kept by the client): the round's sum does not reveal them.
+
+With `gamma_grid` (more than one value), γ_out is chosen on the clients' own hold-outs
+(`workbench.methods.ridge_selection`): round 0 also uploads the hold-out rows' `G_h`, `H_h`; the
+server fits one candidate `(G − G_h + γ I)⁻¹ (H − H_h)` per γ and broadcasts them; in round 1 the
+clients upload how many hold-out rows each gets right; the server keeps the best γ as γ_out
+(buffer `selected_gamma_out`) and solves on all the rows. Two rounds.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -30,6 +37,13 @@ from torch import Tensor
 from workbench.federation.privacy import ridge_sensitivity, safe_ridge
 from workbench.linalg import class_sums, identity_like, solve_spd
 from workbench.methods.base import SUMMED, SYMMETRIC, ClientHalf, Cohort, FederatedMethod, Problem
+from workbench.methods.ridge_selection import (
+    SELECTION_UPLOADS,
+    checked_grid,
+    choose_gamma,
+    client_holdout,
+    holdout_correct,
+)
 
 
 class AFLClient(ClientHalf):
@@ -38,17 +52,37 @@ class AFLClient(ClientHalf):
     def __init__(self, problem: Problem, method: AFL) -> None:
         super().__init__(problem)
         self.gamma, self.design = method.gamma, method.design  # design: a fixed map of the settings
+        self.gamma_grid = getattr(method, "gamma_grid", [])
+        self.holdout_fraction, self.holdout_seed = getattr(method, "holdout_fraction", 0.1), getattr(method, "seed", 0)
 
     def client_update(self, round_index, broadcast, cohort: Cohort):
-        empty = self.design(cohort.features[:0])
+        if "candidates" in broadcast:  # γ's scoring round: each candidate's hits on the hold-out rows
+            held = self._holdout(cohort)
+            x = self.design(cohort.features[held])
+            return holdout_correct(x @ broadcast["candidates"].to(x), cohort.labels[held]), {}
+        gram, cross = self._statistics(cohort.features, cohort.labels, cohort.batch_size)
+        gram.diagonal().add_(self.gamma * len(cohort.clients))  # each client adds γI once
+        uploads = {"gram": gram, "cross": cross}
+        if len(self.gamma_grid) > 1:  # the hold-out rows' own statistics, for the candidates
+            held = self._holdout(cohort)
+            uploads["holdout_gram"], uploads["holdout_cross"] = self._statistics(
+                cohort.features[held], cohort.labels[held], cohort.batch_size)
+        return uploads, {}
+
+    def _statistics(self, features: Tensor, labels: Tensor, batch_size: int) -> tuple[Tensor, Tensor]:
+        """`XᵀX` and `XᵀY` of the design of `features`, in chunks of `batch_size` rows."""
+        empty = self.design(features[:0])
         gram = empty.new_zeros(empty.shape[1], empty.shape[1])
         cross = empty.new_zeros(empty.shape[1], self.num_classes)
-        for part in cohort.batches():
-            x = self.design(part.features)
+        for start in range(0, len(labels), batch_size):
+            x = self.design(features[start:start + batch_size])
             gram += x.T @ x
-            cross += class_sums(x, part.labels, self.num_classes)
-        gram.diagonal().add_(self.gamma * len(cohort.clients))  # each client adds γI once
-        return {"gram": gram, "cross": cross}, {}
+            cross += class_sums(x, labels[start:start + batch_size], self.num_classes)
+        return gram, cross
+
+    def _holdout(self, cohort: Cohort) -> Tensor:
+        return client_holdout(cohort.labels, cohort.client_ids, cohort.clients, self.holdout_fraction,
+                              self.holdout_seed)
 
 
 class AFL(FederatedMethod):
@@ -59,21 +93,34 @@ class AFL(FederatedMethod):
         gamma_out: γ_out, the ridge regularization of the final solve (0 = least squares).
         bias: append a constant-1 feature.
         dtype: dtype of the statistics and the solve (and so of what is sent).
+        gamma_grid: candidate γ_out values (> 0) chosen from on the clients' hold-outs (one extra
+            round); None (or one value) keeps `gamma_out` (or that value) with no hold-out.
+        holdout_fraction: the share of each client's rows (per class) held out to choose γ_out.
+        seed: seeds the clients' hold-out draws.
 
     Buffers: `weight` W (d [+1], C); `pooled_gram` Σ_k G_k (d [+1], d [+1]) and `pooled_cross`
-    Σ_k H_k (d [+1], C), without any γ; `pooled_clients`, the number of clients in them.
+    Σ_k H_k (d [+1], C), without any γ; `pooled_clients`, the number of clients in them;
+    `selected_gamma_out`, the γ_out of the solve.
     """
 
-    uploads = {"gram": SYMMETRIC, "cross": SUMMED}
+    uploads = {"gram": SYMMETRIC, "cross": SUMMED, **SELECTION_UPLOADS}
 
     def __init__(self, gamma: float = 1.0, gamma_out: float = 0.0, bias: bool = False,
-                 dtype: str = "float64") -> None:
+                 dtype: str = "float64", gamma_grid: Sequence[float] | None = None, holdout_fraction: float = 0.1,
+                 seed: int = 0) -> None:
         super().__init__()
         if gamma < 0 or gamma_out < 0:
             raise ValueError(f"gamma and gamma_out must be ≥ 0, got {gamma} and {gamma_out}")
+        if not 0 < holdout_fraction < 1:
+            raise ValueError(f"holdout_fraction must be in (0, 1), got {holdout_fraction}")
         self.save_hyperparameters()
+        self.gamma_grid = checked_grid(gamma_grid)
+        if len(self.gamma_grid) == 1:  # one value: that γ_out, no hold-out round
+            gamma_out = self.gamma_grid[0]
         self.gamma, self.gamma_out, self.bias = gamma, gamma_out, bias
+        self.holdout_fraction, self.seed = holdout_fraction, seed
         self.stat_dtype = getattr(torch, dtype)
+        self._candidates: Tensor | None = None
 
     def setup_problem(self, problem: Problem) -> None:
         side = self.design_dim(problem)
@@ -83,6 +130,11 @@ class AFL(FederatedMethod):
         self.register_buffer("pooled_gram", torch.zeros(side, side, dtype=self.stat_dtype))
         self.register_buffer("pooled_cross", torch.zeros(side, num_classes, dtype=self.stat_dtype))
         self.register_buffer("pooled_clients", torch.zeros((), dtype=torch.long))
+        self.register_buffer("selected_gamma_out", torch.tensor(float(self.gamma_out), dtype=self.stat_dtype))
+
+    @property
+    def num_rounds(self) -> int:
+        return 2 if len(self.gamma_grid) > 1 else 1  # the second: the hold-out scores of γ_out
 
     def design_dim(self, problem: Problem) -> int:
         """Width of the design matrix: d [+1]."""
@@ -94,7 +146,7 @@ class AFL(FederatedMethod):
     def statistics_sensitivity(self, feature_norm: float) -> float | None:
         """One sample's design row [x (, 1)] has norm ≤ √(B² + bias): Δ of (XᵀX, XᵀY) as
         `privacy.ridge_sensitivity`; None for a subclass whose design maps the features further."""
-        if type(self).design is not AFL.design:
+        if type(self).design is not AFL.design or feature_norm == 0:  # a subclass's design; unclipped rows
             return None
         return ridge_sensitivity(math.sqrt(feature_norm ** 2 + int(self.bias)))
 
@@ -105,10 +157,27 @@ class AFL(FederatedMethod):
             x = torch.cat([x, x.new_ones(len(x), 1)], dim=1)
         return x
 
+    def broadcast(self) -> dict[str, Tensor]:
+        """γ's scoring round carries one candidate W per γ of the grid: (Γ, d [+1], C)."""
+        return {"candidates": self._candidates} if self.round == 1 and len(self.gamma_grid) > 1 else {}
+
     def server_update(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, float]:
+        if self.round == 1 and len(self.gamma_grid) > 1:  # the hold-out scores: keep the best γ_out
+            chosen, metrics = choose_gamma(self.gamma_grid, uploads, "afl")
+            self.selected_gamma_out.fill_(chosen)
+            self._candidates = None
+            self.weight = self.solve()
+            return metrics
         self.pooled_gram = uploads["gram"] - num_clients * self.gamma * identity_like(uploads["gram"])
         self.pooled_cross = uploads["cross"].clone()
         self.pooled_clients.fill_(num_clients)
+        if len(self.gamma_grid) > 1:  # one candidate per γ on the rows the clients did not hold out
+            kept_gram = self.pooled_gram - uploads["holdout_gram"]
+            kept_cross = self.pooled_cross - uploads["holdout_cross"]
+            self._candidates = torch.stack([
+                solve_spd(kept_gram + value * identity_like(kept_gram), kept_cross,
+                          what="AFL's Gram matrix without the hold-out rows") for value in self.gamma_grid])
+            return {}
         self.weight = self.solve()
         return {}
 
@@ -117,7 +186,7 @@ class AFL(FederatedMethod):
 
     def solve(self) -> Tensor:
         """W = (G + γ_out I)⁻¹ H from the pooled statistics: (d [+1], C)."""
-        gram = self.pooled_gram + self.gamma_out * identity_like(self.pooled_gram)
+        gram = self.pooled_gram + float(self.selected_gamma_out) * identity_like(self.pooled_gram)
         sigma = self.federation.dp_sigma
         if sigma > 0 and int(torch.linalg.cholesky_ex(gram).info) != 0:
             raise ValueError(

@@ -62,17 +62,12 @@ import torch
 import torch.nn.functional as nnf
 from torch import Tensor
 
-from workbench.data.datamodule import stratified_holdout
 from workbench.linalg import grouped_matmul, grouped_ridge
 from workbench.methods.afl import AFL, AFLClient
 from workbench.methods.base import SUMMED, SYMMETRIC, Cohort, Problem
+from workbench.methods.ridge_selection import client_holdout, holdout_seed  # noqa: F401 (holdout_seed: re-exported)
 
 DEFAULT_LAMBDAS = tuple(i / 10 for i in range(11))  # 0, 0.1, ..., 1.0
-HOLDOUT_STREAM = 2  # the seed stream of the clients' hold-outs (0: P_g, 1: P_l)
-
-
-def _stream_state(seed: int, *streams: int) -> int:
-    return int(np.random.SeedSequence([seed, *streams]).generate_state(1, np.uint64)[0] >> np.uint64(1))
 
 
 def gaussian_projection(seed: int, stream: int, fan_in: int, fan_out: int, dtype: torch.dtype) -> Tensor:
@@ -83,25 +78,6 @@ def gaussian_projection(seed: int, stream: int, fan_in: int, fan_out: int, dtype
     state = int(np.random.SeedSequence([seed, stream]).generate_state(1, np.uint64)[0])
     generator = torch.Generator().manual_seed(state)
     return torch.randn(fan_in, fan_out, generator=generator, dtype=dtype) / fan_in ** 0.5
-
-
-def holdout_seed(seed: int, client: int) -> int:
-    """The seed of client `client`'s hold-out draw (`stratified_holdout` of its own rows)."""
-    return _stream_state(seed, HOLDOUT_STREAM, client)
-
-
-def client_holdout(labels: Tensor, client_ids: Tensor, clients: Tensor, fraction: float, seed: int) -> Tensor:
-    """Every client's own stratified hold-out of its rows: (n,), (n,) ordered by client, (m,) -> (n,) bool.
-
-    Client k holds out `stratified_holdout(its labels, fraction, holdout_seed(seed, k))`: the same
-    rows whichever other clients are computed with it.
-    """
-    labels_cpu, ids_cpu = labels.cpu(), client_ids.cpu()
-    counts = torch.bincount(torch.searchsorted(clients.cpu(), ids_cpu), minlength=len(clients))
-    parts = [stratified_holdout(part, fraction, holdout_seed(seed, int(k)))
-             for part, k in zip(labels_cpu.split(counts.tolist()), clients.cpu()) if len(part)]
-    mask = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool)
-    return mask.to(labels.device)
 
 
 class AnaPFLClient(AFLClient):
@@ -182,6 +158,8 @@ class AnaPFLClient(AFLClient):
     @torch.no_grad()
     def finish(self, broadcast: Mapping[str, Tensor], cohort: Cohort) -> dict[str, float]:
         """W_l,k of every client of the cohort on all its rows, with the final W_g and λ."""
+        if "seed" in broadcast:
+            self.main_seed.fill_(int(broadcast["seed"]))
         if "weight" in broadcast:
             self.global_weight.copy_(broadcast["weight"])
         scale = broadcast["lambda"] if "lambda" in broadcast else self.lambdas[0]  # one λ: the setting
@@ -247,7 +225,7 @@ class AnaPFL(AFL):
         if dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be 'float32' or 'float64', got {dtype!r}")
         super().__init__(gamma=gamma, gamma_out=gamma_out, bias=False, dtype=dtype)
-        self.save_hyperparameters(ignore=["bias"])  # AFL's, not an argument here
+        self.save_hyperparameters(ignore=["bias", "gamma_grid"])  # AFL's, not arguments here
         self.hidden_dim, self.beta, self.holdout_fraction = hidden_dim, beta, holdout_fraction
         self.lambdas = sorted(float(value) for value in lambdas)  # ties go to the smaller λ
         self.seed, self.local_seed = seed, local_seed
@@ -277,9 +255,18 @@ class AnaPFL(AFL):
 
     # ---- the rounds --------------------------------------------------------------------------
     def broadcast(self) -> dict[str, Tensor]:
+        seed = {"seed": torch.tensor(self.seed, dtype=torch.int64)}  # P_g as its seed
         if self.round == 0:
-            return {"seed": torch.tensor(self.seed, dtype=torch.int64)}  # P_g as its seed
-        return {"weight": self.weight}  # round 1: W_g, for the clients' hold-out scores
+            return seed
+        # round 1: W_g, for the clients' hold-out scores (and P_g's seed for a sampled client
+        # that missed round 0)
+        return {"weight": self.weight, **(seed if self.sampled else {})}
+
+    @property
+    def sampled(self) -> bool:
+        """Whether rounds take cohorts (`federation.sample_rate` < 1): a client may then have missed
+        the broadcasts before, so the later ones repeat what it needs."""
+        return self.federation.sample_rate < 1
 
     def server_update(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, float]:
         if self.round == 0:
@@ -300,7 +287,11 @@ class AnaPFL(AFL):
 
     def final_broadcast(self) -> dict[str, Tensor]:
         if len(self.lambdas) == 1:
-            return {"weight": self.weight}  # λ is the setting
-        return {"lambda": self.refinement_scale}  # the clients hold W_g from round 1
+            message = {"weight": self.weight}  # λ is the setting
+        else:
+            message = {"lambda": self.refinement_scale}  # the clients hold W_g from round 1 ...
+        if self.sampled:  # ... unless they missed it: W_g and P_g's seed again
+            message.update(weight=self.weight, seed=torch.tensor(self.seed, dtype=torch.int64))
+        return message
 
     # forward (AFL's): the global branch Hg W_g, for the global test split.

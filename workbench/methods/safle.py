@@ -14,7 +14,12 @@ still applies:
    one round) or `calibrated` (each dimension standardized by the mean and variance of the pooled
    data, from one extra round in which clients upload Σx, Σx² (d each) and their sample count;
    the broadcast of the next round carries the d means and d standard deviations the server
-   computed from them).
+   computed from them). `quantile` puts each dimension's τ at its empirical quantiles t / (T+1)
+   of the pooled data instead (so its T+1 regions are equally likely whatever its distribution):
+   after the moments round, clients upload the counts of their calibrated z in `HISTOGRAM_BINS`
+   equal bins of [−8, 8] (the ends catch the tails), d × bins summed; the server reads the
+   quantiles off the summed histogram (linear within a bin: to 16/bins standard deviations).
+   Three rounds.
 2. Shuffle and group. A permutation of the d_q digits drawn from `seed` is cut into E groups of
    G digits. If E·G > d_q, further seeded permutations are appended; the E·G digits used are the
    first E·G of that sequence (E·G < d_q leaves the rest unused).
@@ -31,6 +36,20 @@ ridge regression with γ_out on the pooled Φ, whatever the partition. `ΦᵀΦ`
 E active rows of each sample (O(n·E²)), never from a dense one-hot matrix (O(n·(E·V)²)); its
 E diagonal V×V blocks are diagonal, since a sample activates one row per block.
 
+At the paper's scale (every digit used, E·V in the tens of thousands) the Gram's V×V
+co-occurrence blocks fill up and the packed upload is gigabytes, beyond this machine's memory.
+`solver: cg` computes the same solution without it: the in-process server keeps the clients'
+active rows (n × E indices, a simulation shortcut, never sent) and solves the ridge by
+Jacobi-preconditioned conjugate gradients on the sparse design (`linalg.multi_hot_ridge`),
+equal to the dense solve to the tolerance. `comm/bytes_up` still counts what the protocol sends,
+the packed Gram and ΦᵀY. The engines that run clients elsewhere (Flower, several processes)
+never give the server the rows: the solve round then fails with a clear error.
+
+`gamma_grid` chooses γ_out on the clients' own hold-outs (`workbench.methods.ridge_selection`):
+the solve round also uploads the hold-out rows' statistics, the server fits one candidate per γ
+on the other rows, the clients score them on their hold-outs in one more round, and the server
+solves on all the rows with the best γ.
+
 The client half (`SAFLeClient`) rebuilds τ and the digit groups from the settings (the seed) and
 takes the calibration from the broadcast it receives; it keeps no state across rounds. After
 the last round every client receives W (`final_broadcast`).
@@ -38,17 +57,37 @@ the last round every client receives W (`final_broadcast`).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-from workbench.linalg import class_sums, multi_hot_cross, multi_hot_gram, solve_spd
+from workbench.federation import codec
+from workbench.linalg import (
+    MultiHotDesign,
+    class_sums,
+    multi_hot_cross,
+    multi_hot_gram,
+    multi_hot_ridge,
+    packed_symmetric_numel,
+    solve_spd,
+)
 from workbench.methods.base import SUMMED, SYMMETRIC, ClientHalf, Cohort, FederatedMethod, Problem
+from workbench.methods.ridge_selection import (
+    SELECTION_UPLOADS,
+    checked_grid,
+    choose_gamma,
+    client_holdout,
+    holdout_correct,
+)
 
 BUCKETINGS = ("binary_overlap", "onehot", "integer")
-THRESHOLDS = ("fixed", "calibrated")
-MAX_EMBEDDING_ROWS = 1 << 16  # E·V: the dense (E·V)² Gram is then 32 GiB in float64
+THRESHOLDS = ("fixed", "calibrated", "quantile")
+SOLVERS = ("dense", "cg")
+MAX_EMBEDDING_ROWS = 1 << 16  # E·V of the dense solver: the (E·V)² Gram is then 32 GiB in float64
+HISTOGRAM_BINS, HISTOGRAM_RANGE = 512, 8.0  # the quantile round: bins of z in [−8, 8]
+GATHER_ELEMENTS = 1 << 24  # rows × E × C gathered at once by the forward and the hold-out scores
 CONSTANT_VARIANCE = 1e-12  # variance below this fraction of E[x²] is rounding: the feature is constant
 
 
@@ -61,7 +100,7 @@ def standard_deviation(mean: Tensor, second_moment: Tensor) -> Tensor:
 
 
 EMBEDDING_SETTINGS = ("bucketing", "levels", "threshold_mode", "experts", "group_size", "raw_features",
-                      "seed", "stat_dtype", "digits_per_dim", "base", "vocab", "embedding_rows")
+                      "seed", "stat_dtype", "digits_per_dim", "base", "vocab", "embedding_rows", "gamma_grid")
 
 
 class SparseEmbedding:
@@ -80,11 +119,34 @@ class SparseEmbedding:
         self.register_buffer("cut_points", torch.special.ndtri(quantiles).to(self.stat_dtype),  # τ: (T,)
                              persistent=persistent)
         self.register_buffer("digit_groups", self.draw_groups(num_digits), persistent=persistent)  # (E, G)
-        if self.threshold_mode == "calibrated":
+        if self.threshold_mode != "fixed":
             self.register_buffer("feature_mean", torch.zeros(feature_dim, dtype=self.stat_dtype),
                                  persistent=persistent)
             self.register_buffer("feature_std", torch.ones(feature_dim, dtype=self.stat_dtype),
                                  persistent=persistent)
+        if self.threshold_mode == "quantile":  # each dimension's own τ (in z), until set: the Gaussian ones
+            self.register_buffer("feature_cuts", self.cut_points.expand(feature_dim, -1).clone(),
+                                 persistent=persistent)
+
+    @property
+    def round_kinds(self) -> tuple[str, ...]:
+        """What each round does: [moments [, histogram]], solve [, select]."""
+        calibration = {"fixed": (), "calibrated": ("moments",), "quantile": ("moments", "histogram")}
+        return calibration[self.threshold_mode] + ("solve",) + (("select",) if len(self.gamma_grid) > 1 else ())
+
+    def calibration(self) -> dict[str, Tensor]:
+        """The server's calibration, as a broadcast carries it."""
+        message = {}
+        if self.threshold_mode != "fixed":
+            message = {"feature_mean": self.feature_mean, "feature_std": self.feature_std}
+        if self.threshold_mode == "quantile":
+            message["feature_cuts"] = self.feature_cuts
+        return message
+
+    def take_calibration(self, broadcast) -> None:
+        for name in ("feature_mean", "feature_std", "feature_cuts"):
+            if name in broadcast:
+                getattr(self, name).copy_(broadcast[name])
 
     def draw_groups(self, num_digits: int) -> Tensor:
         """Seeded permutations of the d_q digits, concatenated and cut into E groups: (E, G) int64."""
@@ -97,7 +159,7 @@ class SparseEmbedding:
     def standardize(self, features: Tensor) -> Tensor:
         """(n, d) -> z (n, d) in the statistics dtype."""
         x = features.to(self.stat_dtype)
-        if self.threshold_mode == "calibrated":
+        if self.threshold_mode != "fixed":
             return (x - self.feature_mean) / self.feature_std
         mean = x.mean(1, keepdim=True)
         return (x - mean) / standard_deviation(mean, x.square().mean(1, keepdim=True))
@@ -110,62 +172,123 @@ class SparseEmbedding:
             return (region == level).long()
         return region
 
+    def regions(self, features: Tensor) -> Tensor:
+        """r = #{t : τ_t < z} of every dimension: (n, d) -> (n, d) int64."""
+        z = self.standardize(features)
+        if self.threshold_mode == "quantile":  # each dimension's own τ
+            return torch.searchsorted(self.feature_cuts, z.T.contiguous()).T
+        return torch.bucketize(z, self.cut_points)
+
     def digit_code(self, features: Tensor) -> Tensor:
         """All d_q digits: (n, d) -> (n, d_q) int64; digit `p` is level `p % L` of dimension `p // L`."""
-        regions = torch.bucketize(self.standardize(features), self.cut_points)
+        regions = self.regions(features)
         levels = torch.arange(self.digits_per_dim, device=regions.device)
         return self.digit(regions[:, :, None], levels).flatten(1)
 
     def expert_indices(self, features: Tensor) -> Tensor:
         """Active rows of the stacked tables: (n, d) -> (n, E) int64, column j in [j·V, (j+1)·V)."""
-        regions = torch.bucketize(self.standardize(features), self.cut_points)  # (n, d)
-        # only the E·G digits that are used are computed
-        digits = self.digit(regions[:, self.digit_groups // self.digits_per_dim],
-                            self.digit_groups % self.digits_per_dim)  # (n, E, G)
-        place_values = self.base ** torch.arange(self.group_size, device=digits.device)
-        table_offsets = self.vocab * torch.arange(self.experts, device=digits.device)
-        return (digits * place_values).sum(2) + table_offsets
+        place_values = self.base ** torch.arange(self.group_size, device=features.device)
+        table_offsets = self.vocab * torch.arange(self.experts, device=features.device)
+        dims, levels = self.digit_groups // self.digits_per_dim, self.digit_groups % self.digits_per_dim
+        rows = max(1, GATHER_ELEMENTS // (self.experts * self.group_size))  # bounds the (rows, E, G) digits
+        parts = []
+        for chunk in features.split(rows):
+            digits = self.digit(self.regions(chunk)[:, dims], levels)  # only the E·G digits used: (rows, E, G)
+            parts.append((digits * place_values).sum(2) + table_offsets)
+        return torch.cat(parts) if parts else features.new_zeros(0, self.experts, dtype=torch.long)
 
 
 class SAFLeClient(SparseEmbedding, ClientHalf):
-    """The clients: the moments of their features (calibration round), then `Φ_kᵀΦ_k + γI` and
-    `Φ_kᵀY_k` (the solve round). τ and the groups come from the settings, the calibration from
-    the round's broadcast; no state is kept across rounds."""
+    """The clients: the moments of their features (calibration round), the histogram of their
+    calibrated z (quantile round), `Φ_kᵀΦ_k + γI` and `Φ_kᵀY_k` (the solve round), the hold-out
+    scores of the γ candidates (select round). τ and the groups come from the settings, the
+    calibration from the round's broadcast; no state is kept across rounds."""
 
     def __init__(self, problem: Problem, method: SAFLe) -> None:
         super().__init__(problem)
         for name in EMBEDDING_SETTINGS:
             setattr(self, name, getattr(method, name))
-        self.gamma, self.num_rounds = method.gamma, method.num_rounds
+        self.gamma, self.solver, self.holdout_fraction = method.gamma, method.solver, method.holdout_fraction
+        self.row_ledger = method.row_ledger  # solver "cg": the in-process server's view of the rows
         self.register_embedding(problem.feature_dim, persistent=False)  # rebuilt from the settings
 
     def client_update(self, round_index, broadcast, cohort: Cohort):
-        if round_index < self.num_rounds - 1:  # the calibration round
+        self.take_calibration(broadcast)  # the server's calibration, in this round's broadcast
+        kind = self.round_kinds[round_index]
+        if kind == "moments":
             return self._moments(cohort), {}
-        if self.threshold_mode == "calibrated":  # the server's calibration, in this round's broadcast
-            self.feature_mean.copy_(broadcast["feature_mean"])
-            self.feature_std.copy_(broadcast["feature_std"])
+        if kind == "histogram":
+            return self._histogram(cohort), {}
+        held = (client_holdout(cohort.labels, cohort.client_ids, cohort.clients, self.holdout_fraction, self.seed)
+                if len(self.gamma_grid) > 1 else None)
+        if kind == "select":
+            return self._holdout_scores(cohort, held, broadcast["candidates"]), {}
+        if self.solver == "cg":
+            return self._rows(cohort, held), {}
+        gram, cross = self._statistics(cohort.features, cohort.labels, cohort.batch_size)
+        gram.diagonal().add_(self.gamma * len(cohort.clients))  # each client adds γI once
+        uploads = {"gram": gram, "cross": cross}
+        if held is not None:  # the hold-out rows' own statistics, for the γ candidates
+            uploads["holdout_gram"], uploads["holdout_cross"] = self._statistics(
+                cohort.features[held], cohort.labels[held], cohort.batch_size)
+        return uploads, {}
+
+    def _statistics(self, features: Tensor, labels: Tensor, batch_size: int) -> tuple[Tensor, Tensor]:
+        """ΦᵀΦ and ΦᵀY of the design (Φ, or [x, Φ]) of the rows, in chunks of `batch_size`."""
         rows, classes, d = self.embedding_rows, self.num_classes, self.problem.feature_dim
         side = rows + (d if self.raw_features else 0)
         gram = torch.zeros(side, side, dtype=self.stat_dtype, device=self.cut_points.device)
         cross = gram.new_zeros(side, classes)
-        for part in cohort.batches():
-            active = self.expert_indices(part.features)
+        for start in range(0, len(labels), batch_size):
+            part_features, part_labels = features[start:start + batch_size], labels[start:start + batch_size]
+            active = self.expert_indices(part_features)
             phi_gram = multi_hot_gram(active, rows, dtype=self.stat_dtype)  # ΦᵀΦ: (E·V, E·V)
-            # ΦᵀY counts (row, class) pairs
-            phi_cross = torch.bincount((active * classes + part.labels[:, None]).flatten(),
-                                       minlength=rows * classes).view(rows, classes).to(self.stat_dtype)
             if self.raw_features:  # the design [x, Φ]: Gram [[XᵀX, XᵀΦ], [ΦᵀX, ΦᵀΦ]]
-                x = part.features.to(self.stat_dtype)
+                x = part_features.to(self.stat_dtype)
                 phi_x = multi_hot_cross(active, x, rows)  # ΦᵀX: (E·V, d)
                 gram[:d, :d] += x.T @ x
                 gram[:d, d:] += phi_x.T
                 gram[d:, :d] += phi_x
-                cross[:d] += class_sums(x, part.labels, classes)
+                cross[:d] += class_sums(x, part_labels, classes)
             gram[side - rows:, side - rows:] += phi_gram
-            cross[side - rows:] += phi_cross
-        gram.diagonal().add_(self.gamma * len(cohort.clients))  # each client adds γI once
-        return {"gram": gram, "cross": cross}, {}
+            cross[side - rows:] += self._phi_cross(active, part_labels)
+        return gram, cross
+
+    def _phi_cross(self, active: Tensor, labels: Tensor) -> Tensor:
+        """ΦᵀY counts (row, class) pairs: (n, E), (n,) -> (E·V, C)."""
+        classes = self.num_classes
+        pairs = (active * classes + labels[:, None]).flatten()
+        return torch.bincount(pairs, minlength=self.embedding_rows * classes).view(-1, classes).to(self.stat_dtype)
+
+    def _rows(self, cohort: Cohort, held: Tensor | None) -> dict[str, Tensor]:
+        """Solver "cg": ΦᵀY (and the hold-out's) and the row count are uploaded; the active rows go
+        to the in-process server's ledger instead of the Gram they determine."""
+        cross = torch.zeros(self.embedding_rows, self.num_classes, dtype=self.stat_dtype,
+                            device=self.cut_points.device)
+        held_cross = cross.clone()
+        for start in range(0, len(cohort), cohort.batch_size):
+            rows = slice(start, start + cohort.batch_size)
+            active, labels = self.expert_indices(cohort.features[rows]), cohort.labels[rows]
+            cross += self._phi_cross(active, labels)
+            part_held = held[rows] if held is not None else torch.zeros_like(labels, dtype=torch.bool)
+            if held is not None:
+                held_cross += self._phi_cross(active[part_held], labels[part_held])
+            self.row_ledger.append((active.to(torch.int32), part_held))
+        uploads = {"cross": cross, "count": cross.new_tensor([float(len(cohort))])}
+        if held is not None:
+            uploads["holdout_cross"] = held_cross
+        return uploads
+
+    def _holdout_scores(self, cohort: Cohort, held: Tensor, candidates: Tensor) -> dict[str, Tensor]:
+        """Each candidate's hits on the hold-out rows: {"holdout_correct": (Γ,), "holdout_count": ()}."""
+        features = cohort.features[held]
+        tables = candidates[:, features.shape[1]:] if self.raw_features else candidates
+        rows = max(1, GATHER_ELEMENTS // (len(candidates) * self.experts * self.num_classes))
+        logits = torch.cat([tables[:, self.expert_indices(chunk)].sum(2) for chunk in features.split(rows)], dim=1) \
+            if len(features) else tables.new_zeros(len(candidates), 0, self.num_classes)
+        if self.raw_features:
+            logits = logits + features.to(self.stat_dtype) @ candidates[:, :features.shape[1]]
+        return holdout_correct(logits, cohort.labels[held])
 
     def _moments(self, cohort: Cohort) -> dict[str, Tensor]:
         """Σx, Σx² (d each) and the sample count of the cohort (1,)."""
@@ -177,6 +300,31 @@ class SAFLeClient(SparseEmbedding, ClientHalf):
             squares += x.square().sum(0)
             count += len(x)
         return {"feature_sum": total, "feature_square_sum": squares, "count": count}
+
+    def _histogram(self, cohort: Cohort) -> dict[str, Tensor]:
+        """Counts of the calibrated z of every dimension in the fixed bins: (d, HISTOGRAM_BINS)."""
+        d = self.problem.feature_dim
+        counts = torch.zeros(d * HISTOGRAM_BINS, dtype=self.stat_dtype, device=self.cut_points.device)
+        offsets = HISTOGRAM_BINS * torch.arange(d, device=counts.device)
+        for part in cohort.batches():
+            z = self.standardize(part.features)
+            bins = ((z + HISTOGRAM_RANGE) * (HISTOGRAM_BINS / (2 * HISTOGRAM_RANGE))).floor()
+            bins = bins.clamp(0, HISTOGRAM_BINS - 1).long() + offsets  # the end bins catch the tails
+            counts += torch.bincount(bins.flatten(), minlength=d * HISTOGRAM_BINS).to(counts)
+        return {"histogram": counts.view(d, HISTOGRAM_BINS)}
+
+
+def histogram_quantiles(counts: Tensor, quantiles: Tensor) -> Tensor:
+    """The quantiles of every row's distribution from its histogram on the fixed bins of [−8, 8],
+    linear within a bin: (d, B), (T,) -> (d, T)."""
+    cumulative = counts.cumsum(1)
+    target = quantiles.to(counts)[None] * cumulative[:, -1:]  # (d, T)
+    bins = torch.searchsorted(cumulative, target).clamp(max=counts.shape[1] - 1)  # first bin reaching it
+    below = torch.where(bins > 0, cumulative.gather(1, (bins - 1).clamp(min=0)), torch.zeros_like(target))
+    inside = counts.gather(1, bins)
+    fraction = torch.where(inside > 0, (target - below) / inside, torch.zeros_like(target)).clamp(0, 1)
+    width = 2 * HISTOGRAM_RANGE / counts.shape[1]
+    return -HISTOGRAM_RANGE + (bins + fraction) * width
 
 
 class SAFLe(SparseEmbedding, FederatedMethod):
@@ -191,8 +339,9 @@ class SAFLe(SparseEmbedding, FederatedMethod):
             (one base-L digit per dimension).
         levels: L. Thresholds per dimension for `binary_overlap` (L bits, L+1 regions); bins per
             dimension for `onehot` and `integer` (L ≥ 2).
-        thresholds: `fixed` (per-sample standardization, one round) or `calibrated` (per-dimension
-            standardization from an extra statistics round: two rounds).
+        thresholds: `fixed` (per-sample standardization, one round), `calibrated` (per-dimension
+            standardization from an extra statistics round: two rounds) or `quantile` (each
+            dimension's τ at its pooled empirical quantiles, from a histogram round: three rounds).
         experts: E, the number of embedding tables.
         group_size: G, the digits per table; each table has V = k^G rows (k = 2, or L for `integer`).
         raw_features: solve on `[x, Φ(x)]` (the raw features beside the embeddings) in one ridge.
@@ -201,16 +350,34 @@ class SAFLe(SparseEmbedding, FederatedMethod):
             V one-hot columns of each table sum to the same all-ones column), so keep it > 0.
         seed: seed of the digit permutation (shared by every client, 8 bytes).
         dtype: dtype of the statistics and the solve (and so of what is sent).
+        solver: `dense` (Cholesky of the aggregated Gram; any engine; E·V ≤ 65,536) or `cg`
+            (the same solution by conjugate gradients on the sparse design, never forming the
+            Gram: E·V in the hundreds of thousands; in-process engine only, no raw_features).
+        cg_tolerance: the relative residual the `cg` solver stops at.
+        gamma_grid: candidate γ_out values (> 0) chosen from on the clients' hold-outs (one extra
+            round); None (or one value) keeps `gamma_out` (or that value).
+        holdout_fraction: the share of each client's rows (per class) held out to choose γ_out.
     """
 
     uploads = {"gram": SYMMETRIC, "cross": SUMMED,  # the solve round
-               "feature_sum": SUMMED, "feature_square_sum": SUMMED, "count": SUMMED}  # the calibration round
+               "feature_sum": SUMMED, "feature_square_sum": SUMMED, "count": SUMMED,  # the calibration round
+               "histogram": SUMMED, **SELECTION_UPLOADS}  # the quantile round; choosing γ_out
 
     def __init__(self, bucketing: Literal["binary_overlap", "onehot", "integer"] = "binary_overlap",
-                 levels: int = 8, thresholds: Literal["fixed", "calibrated"] = "fixed", experts: int = 64,
-                 group_size: int = 6, raw_features: bool = False, gamma: float = 1.0, gamma_out: float = 1.0,
-                 seed: int = 0, dtype: str = "float64") -> None:
+                 levels: int = 8, thresholds: Literal["fixed", "calibrated", "quantile"] = "fixed",
+                 experts: int = 64, group_size: int = 6, raw_features: bool = False, gamma: float = 1.0,
+                 gamma_out: float = 1.0, seed: int = 0, dtype: str = "float64",
+                 solver: Literal["dense", "cg"] = "dense", cg_tolerance: float = 1e-10,
+                 gamma_grid: Sequence[float] | None = None, holdout_fraction: float = 0.1) -> None:
         super().__init__()
+        if solver not in SOLVERS:
+            raise ValueError(f"unknown solver {solver!r}; choose one of {SOLVERS}")
+        if solver == "cg" and raw_features:
+            raise ValueError("solver 'cg' solves on Φ alone: set raw_features false or solver 'dense'")
+        if not 0 < cg_tolerance < 1:
+            raise ValueError(f"cg_tolerance must be in (0, 1), got {cg_tolerance}")
+        if not 0 < holdout_fraction < 1:
+            raise ValueError(f"holdout_fraction must be in (0, 1), got {holdout_fraction}")
         if bucketing not in BUCKETINGS:
             raise ValueError(f"unknown bucketing {bucketing!r}; choose one of {BUCKETINGS}")
         if thresholds not in THRESHOLDS:
@@ -229,30 +396,41 @@ class SAFLe(SparseEmbedding, FederatedMethod):
         self.base = levels if bucketing == "integer" else 2  # k
         self.vocab = self.base ** group_size  # V
         self.embedding_rows = experts * self.vocab  # E·V
-        if self.embedding_rows > MAX_EMBEDDING_ROWS:
+        if solver == "dense" and self.embedding_rows > MAX_EMBEDDING_ROWS:
             raise ValueError(
                 f"E·V = {experts}·{self.base}^{group_size} = {self.embedding_rows} embedding rows exceeds "
                 f"{MAX_EMBEDDING_ROWS} (the Gram would take "
-                f"{self.embedding_rows ** 2 * 8 / 2 ** 30:.0f} GiB in float64); lower experts or group_size")
+                f"{self.embedding_rows ** 2 * 8 / 2 ** 30:.0f} GiB in float64); lower experts or group_size, "
+                f"or set solver 'cg'")
         self.save_hyperparameters()
         self.bucketing, self.levels, self.threshold_mode = bucketing, levels, thresholds
         self.experts, self.group_size, self.raw_features = experts, group_size, raw_features
+        self.gamma_grid = checked_grid(gamma_grid)
+        if len(self.gamma_grid) == 1:  # one value: that γ_out, no hold-out round
+            gamma_out = self.gamma_grid[0]
+        if solver == "cg" and not gamma_out > 0 and len(self.gamma_grid) < 2:
+            raise ValueError("solver 'cg' needs gamma_out > 0 (ΦᵀΦ is singular)")
         self.gamma, self.gamma_out, self.seed = gamma, gamma_out, seed
+        self.solver, self.cg_tolerance, self.holdout_fraction = solver, cg_tolerance, holdout_fraction
         self.stat_dtype = stat_dtype
+        self.row_ledger: list[tuple[Tensor, Tensor]] = []  # solver "cg": the in-process clients' active rows
+        self._pending: dict | None = None  # between the solve and the select round
+        self.holdout_accuracy: Tensor | None = None
 
     @property
     def num_rounds(self) -> int:
-        return 2 if self.threshold_mode == "calibrated" else 1
+        return len(self.round_kinds)
 
     @property
     def has_model(self) -> bool:
-        return self.round == self.num_rounds  # the calibration round gives no model yet
+        return self.round == self.num_rounds  # the calibration and candidate rounds give no model yet
 
     def setup_problem(self, problem: Problem) -> None:
         feature_dim, num_classes = problem.feature_dim, problem.num_classes
         self.register_embedding(feature_dim, persistent=True)
         self.register_buffer("embedding",
                              torch.zeros(self.embedding_rows, num_classes, dtype=self.stat_dtype))
+        self.register_buffer("selected_gamma_out", torch.tensor(float(self.gamma_out), dtype=self.stat_dtype))
         if self.raw_features:
             self.register_buffer("raw_weight", torch.zeros(feature_dim, num_classes, dtype=self.stat_dtype))
 
@@ -261,25 +439,108 @@ class SAFLe(SparseEmbedding, FederatedMethod):
 
     # ---- rounds ------------------------------------------------------------------------------
     def broadcast(self) -> dict[str, Tensor]:
-        """The solve round after a calibration round carries the server's calibration (2d numbers)."""
-        if self.threshold_mode == "calibrated" and self.round == self.num_rounds - 1:
-            return {"feature_mean": self.feature_mean, "feature_std": self.feature_std}
-        return {}
+        """The server's calibration (2d numbers, and the d × T quantile τ), once it has one; the
+        select round adds the γ candidates (Γ, E·V, C)."""
+        kind = self.round_kinds[self.round]
+        message = self.calibration() if kind != "histogram" else {
+            "feature_mean": self.feature_mean, "feature_std": self.feature_std}
+        if kind == "moments":
+            return {}
+        if kind == "select":
+            message["candidates"] = self._pending["candidates"]
+        return message
 
     def server_update(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, float]:
-        if self.round < self.num_rounds - 1:
+        kind = self.round_kinds[self.round]
+        if kind == "moments":
             count = uploads["count"]
             self.feature_mean = uploads["feature_sum"] / count
             self.feature_std = standard_deviation(self.feature_mean, uploads["feature_square_sum"] / count)
             return {}
-        gram = uploads["gram"]  # the round's sum, used once: shifted in place, no second (E·V)² matrix
-        gram.diagonal().add_(self.gamma_out - num_clients * self.gamma)
-        weight = solve_spd(gram, uploads["cross"], what="SAFLe's aggregated Gram matrix")
+        if kind == "histogram":
+            regions = self.cut_points.shape[0] + 1
+            quantiles = torch.arange(1, regions, dtype=torch.float64) / regions
+            self.feature_cuts = histogram_quantiles(uploads["histogram"].double(), quantiles).to(self.stat_dtype)
+            return {}
+        if kind == "select":
+            chosen, metrics = choose_gamma(self.gamma_grid, uploads, "safle")
+            self.holdout_accuracy = uploads["holdout_correct"] / uploads["holdout_count"]
+            self.selected_gamma_out.fill_(chosen)
+            pending, self._pending = self._pending, None
+            index = self.gamma_grid.index(chosen)
+            return {**metrics, **self._solve(pending, chosen, pending["candidates"][index])}
+        pending = self._gather_solve_round(uploads, num_clients)
+        if len(self.gamma_grid) > 1:  # one candidate per γ on the rows the clients did not hold out
+            pending["candidates"], metrics = self._candidates(pending)
+            self._pending = pending
+            return metrics
+        return self._solve(pending, self.gamma_out)
+
+    def _gather_solve_round(self, uploads: dict[str, Tensor], num_clients: int) -> dict:
+        """The round's statistics: the pooled Gram without any γ (dense) or the pooled rows (cg)."""
+        pending = {"cross": uploads["cross"], "holdout_cross": uploads.get("holdout_cross")}
+        if self.solver == "dense":
+            gram = uploads["gram"]  # the round's sum, used once: shifted in place, no second (E·V)² matrix
+            gram.diagonal().sub_(num_clients * self.gamma)
+            return {**pending, "gram": gram, "holdout_gram": uploads.get("holdout_gram")}
+        ledger, self.row_ledger[:] = list(self.row_ledger), []
+        rows = sum(len(active) for active, _ in ledger)
+        if rows != round(float(uploads["count"])):
+            raise ValueError(
+                f"SAFLe's solver 'cg' sees {rows} of the round's {round(float(uploads['count']))} training rows: it "
+                "needs every client in this process (the in-process engine, one process); set solver 'dense' "
+                "for Flower or several processes")
+        active = torch.cat([part for part, _ in ledger]) if ledger else torch.zeros(0, self.experts, dtype=torch.int32)
+        held = torch.cat([part for _, part in ledger]) if ledger else torch.zeros(0, dtype=torch.bool)
+        return {**pending, "active": active, "held": held}
+
+    def _candidates(self, pending: dict) -> tuple[Tensor, dict[str, float]]:
+        """W_γ on the rows not held out, for every γ of the grid: (Γ, side, C)."""
+        grid = torch.tensor(self.gamma_grid, dtype=self.stat_dtype)
+        cross = pending["cross"] - pending["holdout_cross"]
+        if self.solver == "dense":
+            kept = pending["gram"] - pending["holdout_gram"]
+            pending["holdout_gram"] = None
+            candidates = []
+            for value in self.gamma_grid:
+                kept.diagonal().add_(value)
+                candidates.append(solve_spd(kept, cross, what="SAFLe's Gram matrix without the hold-out rows"))
+                kept.diagonal().sub_(value)
+            return torch.stack(candidates), {}
+        design = MultiHotDesign(pending["active"][~pending["held"]], self.embedding_rows, dtype=self.stat_dtype)
+        classes = cross.shape[1]
+        solution, iterations = multi_hot_ridge(design, cross.repeat(1, len(grid)), grid.repeat_interleave(classes),
+                                               tolerance=self.cg_tolerance)
+        return solution.view(-1, len(grid), classes).transpose(0, 1).contiguous(), {"safle/cg_iterations_holdout": iterations}
+
+    def _solve(self, pending: dict, gamma_out: float, initial: Tensor | None = None) -> dict[str, float]:
+        """W on all the rows with γ_out."""
+        metrics = {}
+        if self.solver == "dense":
+            gram = pending["gram"]
+            gram.diagonal().add_(gamma_out)
+            weight = solve_spd(gram, pending["cross"], what="SAFLe's aggregated Gram matrix")
+        else:
+            design = MultiHotDesign(pending["active"], self.embedding_rows, dtype=self.stat_dtype)
+            shifts = torch.full((pending["cross"].shape[1],), gamma_out, dtype=self.stat_dtype)
+            weight, iterations = multi_hot_ridge(design, pending["cross"], shifts, tolerance=self.cg_tolerance,
+                                                 initial=initial)
+            metrics["safle/cg_iterations"] = iterations
         raw_dim = self.feature_dim if self.raw_features else 0
         self.embedding = weight[raw_dim:]
         if self.raw_features:
             self.raw_weight = weight[:raw_dim]
-        return {}
+        return metrics
+
+    def upload_bytes_per_client(self, upload) -> int | None:
+        """Solver "cg": what the protocol sends, the packed Gram (and the hold-out's) beside ΦᵀY,
+        not the row count the simulation checks the ledger with."""
+        if self.solver != "cg" or "cross" not in upload:
+            return None
+        grams = 2 if "holdout_cross" in upload else 1
+        element = torch.empty((), dtype=self.stat_dtype).element_size()
+        sent = {name: value for name, value in upload.items() if name != "count"}
+        return codec.upload_bytes(sent, self.uploads) + grams * packed_symmetric_numel(self.embedding_rows) * element
 
     def final_broadcast(self) -> dict[str, Tensor]:
         """W: the embedding tables (and the raw features' weight)."""
@@ -290,7 +551,9 @@ class SAFLe(SparseEmbedding, FederatedMethod):
 
     def forward(self, features: Tensor) -> Tensor:
         """Logits: (n, d) -> (n, C), the sum of the E selected embedding rows (+ x·W_raw)."""
-        logits = self.embedding[self.expert_indices(features)].sum(1)
+        rows = max(1, GATHER_ELEMENTS // (self.experts * self.num_classes))  # bounds the (rows, E, C) gather
+        logits = torch.cat([self.embedding[self.expert_indices(chunk)].sum(1) for chunk in features.split(rows)]) \
+            if len(features) else self.embedding.new_zeros(0, self.num_classes)
         if self.raw_features:
             logits = logits + features.to(self.stat_dtype) @ self.raw_weight
         return logits
