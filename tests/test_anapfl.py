@@ -10,7 +10,7 @@ import torch.nn.functional as nnf
 
 from workbench.cli import main
 from workbench.data import FederatedDataModule, SyntheticBlobs
-from workbench.data.datamodule import stratified_holdout
+from workbench.data.partition import stratified_holdout
 from workbench.engines.local import LocalClients
 from workbench.linalg import grouped_ridge
 from workbench.methods import AnaPFL, Problem

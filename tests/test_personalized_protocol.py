@@ -8,7 +8,7 @@ import torch
 
 from workbench.cli import main
 from workbench.data import FederatedDataModule, SyntheticBlobs
-from workbench.data.datamodule import stratified_holdout
+from workbench.data.partition import stratified_holdout
 from workbench.methods import AnaPFL, LocalOnly
 
 BLOBS = SyntheticBlobs(num_classes=5, dim=8, train_size=3000, test_size=300, seed=1)

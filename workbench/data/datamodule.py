@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from workbench.data.hf import OwnData, own_modality
 from workbench.data.partition import partition as assign_clients
+from workbench.data.partition import stratified_holdout
 
 PARTITION_PARAMS = {
     "iid": (),
@@ -88,25 +89,6 @@ class SyntheticBlobs:
             return means[labels] + torch.randn(n, self.dim, generator=gen), labels
 
         return (*draw(self.train_size), *draw(self.test_size))
-
-
-def stratified_holdout(labels: Tensor, fraction: float, seed: int, groups: Tensor | None = None) -> Tensor:
-    """A seeded boolean mask (n,) holding out round(fraction · size) of every class of every group.
-
-    groups: (n,) int64, e.g. client ids, so that each client's share is split by class; None
-        means one group. Vectorized: a random order, stably sorted by (group, class), ranks
-        each sample inside its stratum.
-    """
-    strata = labels if groups is None else groups * (int(labels.max()) + 1) + labels
-    shuffled = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
-    order = shuffled[torch.argsort(strata[shuffled], stable=True)]
-    sizes = torch.bincount(strata)
-    first = torch.cumsum(sizes, 0) - sizes
-    sorted_strata = strata[order]
-    rank = torch.arange(len(labels)) - first[sorted_strata]
-    mask = torch.zeros(len(labels), dtype=torch.bool)
-    mask[order] = rank < torch.round(fraction * sizes[sorted_strata])
-    return mask
 
 
 class FeatureBatches(Dataset):
@@ -399,8 +381,8 @@ class FederatedDataModule(LightningDataModule):
     def _backbone_features(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         from workbench.backbones import build_backbone
         from workbench.backbones.layers import with_layers
-        from workbench.data.registry import dataset_modality
         from workbench.data.features import cached_features
+        from workbench.data.registry import dataset_modality
 
         args = self.args
         data = self._raw_data()

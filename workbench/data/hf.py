@@ -280,7 +280,7 @@ def _features(split: Any, column: str, where: str) -> Tensor:
 
 
 def _stratified_test_mask(labels: np.ndarray, fraction: float, seed: int) -> np.ndarray:
-    from workbench.data.datamodule import stratified_holdout
+    from workbench.data.partition import stratified_holdout
 
     return stratified_holdout(torch.from_numpy(labels), fraction, seed).numpy()
 

@@ -12,7 +12,8 @@ Flower Datasets partitioner itself (optional extra `hf`). `iid` assigns exactly 
 `IidPartitioner` after `Dataset.shuffle(seed=seed)`; `dirichlet` and `shard` draw from the same
 distributions as Flower's namesakes but use the random stream differently, so the same seed gives
 a different, equally distributed assignment; `pathological` deals classes to the least-held first
-where Flower's picks them at random (tests/test_partition.py).
+where Flower's picks them at random (tests/test_partition.py). `stratified_holdout` splits a pool
+(or each client's share) by class, seeded: validation, local test and hold-out rows.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import torch
+from torch import Tensor
 
 UNASSIGNED = -1
 DIRICHLET_MAX_RETRIES = 100  # full redraws before giving up on `min_partition_size`
@@ -443,3 +446,22 @@ def describe(client_ids: np.ndarray, labels: np.ndarray, num_partitions: int) ->
         if nonempty.any() else 0.0,
         "label_skew_tv": float(skew.mean()) if nonempty.any() else 0.0,
     }
+
+
+def stratified_holdout(labels: Tensor, fraction: float, seed: int, groups: Tensor | None = None) -> Tensor:
+    """A seeded boolean mask (n,) holding out round(fraction · size) of every class of every group.
+
+    groups: (n,) int64, e.g. client ids, so that each client's share is split by class; None
+        means one group. Vectorized: a random order, stably sorted by (group, class), ranks
+        each sample inside its stratum.
+    """
+    strata = labels if groups is None else groups * (int(labels.max()) + 1) + labels
+    shuffled = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
+    order = shuffled[torch.argsort(strata[shuffled], stable=True)]
+    sizes = torch.bincount(strata)
+    first = torch.cumsum(sizes, 0) - sizes
+    sorted_strata = strata[order]
+    rank = torch.arange(len(labels)) - first[sorted_strata]
+    mask = torch.zeros(len(labels), dtype=torch.bool)
+    mask[order] = rank < torch.round(fraction * sizes[sorted_strata])
+    return mask

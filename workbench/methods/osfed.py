@@ -60,7 +60,7 @@ from torch.func import functional_call, grad, grad_and_value, vmap
 from workbench.federation.compression import FLOAT_BYTES, as_sent
 from workbench.federation.local_training import client_generator, lbfgs
 from workbench.methods.base import STACKED, SUMMED, Cohort, Problem
-from workbench.methods.fedavg import SNAPSHOTS, FedAvg, FedAvgClient, round_seed
+from workbench.methods.fedavg import SNAPSHOTS, FedAvg, FedAvgClient, Schedule, round_seed
 from workbench.methods.heads import Architecture
 
 
@@ -342,7 +342,7 @@ class OSFED(SnapshotGeometry, FedAvg):
         cell_scale: float = 1.0,
         error_feedback_bound: float | None = None,
         error_feedback_decay: float = 1.0,
-        lr_schedule: str = "constant",
+        lr_schedule: Schedule = "constant",
         lr_final_fraction: float = 0.0,
         lr_step_rounds: int = 1,
         lr_gamma: float = 0.1,

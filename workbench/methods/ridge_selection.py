@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from workbench.data.datamodule import stratified_holdout
+from workbench.data.partition import stratified_holdout
 from workbench.methods.base import SUMMED, SYMMETRIC
 
 HOLDOUT_STREAM = 2  # the seed stream of the clients' hold-outs (AnaPFL: 0 is P_g, 1 is P_l)

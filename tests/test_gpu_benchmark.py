@@ -1,0 +1,36 @@
+"""benchmarks/gpu.py at smoke sizes on the CPU: every part runs and reports sane ratios."""
+import math
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+gpu = pytest.importorskip("benchmarks.gpu")  # (benchmarks/ is a folder of scripts, not installed)
+
+TINY = dict(gpu.SMOKE, images=4, batch=2, backbones=(("efficientnet_lite0", 32, True),))
+
+
+def ratios(rows: list[str]) -> list[float]:
+    return [float(row.rstrip(" |").rsplit("|", 1)[1]) for row in rows]
+
+
+def test_extraction_rows_compare_with_the_bare_forward():
+    rows = gpu.extraction_rows(TINY, "cpu", repeats=1)
+    assert [re.split(r"\s*\|\s*", row)[3] for row in rows] == ["float32", "bf16"]
+    assert all(0 < r and math.isfinite(r) for r in ratios(rows))
+
+
+def test_every_method_part_runs_at_smoke_sizes():
+    lines = gpu.main(["--device", "cpu", "--smoke", "--parts", "afl,deepafl,fedavg"])
+    rows = [line for line in lines if line.startswith(("| AFL", "| DeepAFL", "| FedAvg"))]
+    assert len(rows) == 3
+    assert all(r > 0 and math.isfinite(r) for r in ratios(rows))
+    assert lines[-1].startswith("Machine:")
+
+
+def test_bad_settings_fail_with_the_fix(capsys):
+    with pytest.raises(SystemExit):
+        gpu.main(["--device", "cpu", "--smoke", "--parts", "afl,gemm"])
+    assert "choose from extraction,afl,deepafl,fedavg" in capsys.readouterr().err
