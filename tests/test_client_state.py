@@ -48,3 +48,4 @@ def saved_with_more_rows() -> ClientTable:
     table = ClientTable(torch.zeros(2, 3, dtype=torch.float64))
     table.write(torch.arange(5), torch.ones(5, 2, 3, dtype=torch.float64))
     return table
+

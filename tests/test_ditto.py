@@ -156,6 +156,19 @@ def test_cli_fit_logs_local_accuracy(tmp_path):
     metrics = cli.trainer.callback_metrics
     assert 0 < float(metrics["test/acc_local_mean"]) <= 1 and "test/acc" in metrics
     assert next(tmp_path.glob("*/version_0/per_client_acc.csv")).exists()
+    # a checkpoint as workbench 0.2 wrote it (personal models as one dense tensor) is refused by name
+    checkpoint_path = next(tmp_path.glob("*/version_0/model.ckpt"))
+    checkpoint = torch.load(checkpoint_path, weights_only=False)
+    state = checkpoint["state_dict"]
+    state["client_half.personal"] = state.pop("client_half.personal.rows")
+    del state["client_half.personal.ids"]
+    old = tmp_path / "old.ckpt"
+    torch.save(checkpoint, old)
+    with pytest.raises(ValueError, match=r"no table client_half\.personal\.ids/\.rows .*workbench 0\.2.*refit"):
+        main(["test", "--model=Ditto", "--model.num_rounds=2", "--model.hidden_dim=8", "--model.lam=0.5",
+              "--data=FederatedDataModule", "--data.dataset=synthetic", "--data.num_clients=4",
+              "--data.personalized=true", "--trainer.enable_progress_bar=false",
+              f"--run_dir={tmp_path / 'eval'}", f"--ckpt_path={old}"])
 
 
 def test_config_parses(capsys):

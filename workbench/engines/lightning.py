@@ -440,6 +440,12 @@ class LightningEngine(LightningModule):
             resuming = self.trainer.state.fn == "fit"
             check_checkpoint_matches(saved, self.checkpoint_identity(), resuming=resuming)
             self._restored_totals = dict(saved.get("totals") or {}) if resuming else None
+        tables = [name[:-len(".rows")] for name in self.state_dict() if name.endswith(".rows")]
+        lacking = [name for name in tables if f"{name}.rows" not in checkpoint["state_dict"]]
+        if lacking:  # workbench 0.2 kept per-client state as one dense (clients, ...) tensor
+            raise ValueError(f"the checkpoint has no table {lacking[0]}.ids/.rows of per-client state: it was "
+                             "written by workbench 0.2, which kept that state as one dense tensor; refit "
+                             "(or resume it with workbench 0.2)")
         prefix = "method."
         state = {name[len(prefix):]: value for name, value in checkpoint["state_dict"].items()
                  if name.startswith(prefix)}
