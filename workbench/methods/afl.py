@@ -113,7 +113,8 @@ class AFL(FederatedMethod):
             raise ValueError(f"gamma and gamma_out must be ≥ 0, got {gamma} and {gamma_out}")
         if not 0 < holdout_fraction < 1:
             raise ValueError(f"holdout_fraction must be in (0, 1), got {holdout_fraction}")
-        self.save_hyperparameters()
+        if type(self) is AFL:  # a subclass records its own arguments (Lightning merges, never drops, them)
+            self.save_hyperparameters()
         self.gamma_grid = checked_grid(gamma_grid)
         if len(self.gamma_grid) == 1:  # one value: that γ_out, no hold-out round
             gamma_out = self.gamma_grid[0]

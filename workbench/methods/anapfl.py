@@ -225,7 +225,7 @@ class AnaPFL(AFL):
         if dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be 'float32' or 'float64', got {dtype!r}")
         super().__init__(gamma=gamma, gamma_out=gamma_out, bias=False, dtype=dtype)
-        self.save_hyperparameters(ignore=["bias", "gamma_grid"])  # AFL's, not arguments here
+        self.save_hyperparameters()
         self.hidden_dim, self.beta, self.holdout_fraction = hidden_dim, beta, holdout_fraction
         self.lambdas = sorted(float(value) for value in lambdas)  # ties go to the smaller λ
         self.seed, self.local_seed = seed, local_seed
