@@ -174,23 +174,15 @@ def test_float32_is_the_float64_model_in_less_precision(fit_method):
     assert relative_error(fitted["fused"].omega.double(), fitted["two_round"].omega.double()) <= 1e-4
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_dropouts_give_the_centralized_solves_on_each_rounds_participants(fit_method, schedule):
-    """Under dropouts, fused round t solves Ω_t and W_t on round t's participants (the clients restate
-    Φ_{t−1}ᵀΦ_{t−1}, Φ_{t−1}ᵀY); two_round solves Ω_t on round 2t − 1's and W_t on round 2t's."""
-    num_clients, num_layers = 6, 3
-    dm = data(partition="dirichlet", alpha=0.5, num_clients=num_clients, batch_size=64)
-    federation = Federation(dropout=0.34, seed=4)
+def fit_against_each_rounds_rows(fit_method, dm, federation, schedule, num_layers, rows_of_round):
+    """Fits DeepAFL under `federation` and checks every W_t and Ω_t against the centralized solves
+    on the rows each round used (`rows_of_round(r)`: (n,) bool): fused round t solves both on round
+    t's; two_round solves Ω_t on round 2t − 1's and W_t on round 2t's. Returns (method, engine)."""
     settings = dict(num_layers=num_layers, gamma=1.0, gamma_s=0.05, seed=2, **SMALL)
-
-    def participants(round_index: int) -> torch.Tensor:
-        kept = ~federation.dropped_clients(round_index, num_clients)
-        return kept[dm.train_client_ids]
-
     if schedule == "fused":
-        omega_rows, classifier_rows = participants, participants
+        omega_rows, classifier_rows = rows_of_round, rows_of_round
     else:
-        omega_rows, classifier_rows = (lambda t: participants(2 * t - 1)), (lambda t: participants(2 * t))
+        omega_rows, classifier_rows = (lambda t: rows_of_round(2 * t - 1)), (lambda t: rows_of_round(2 * t))
     classifiers, omegas = reference_fit(dm, **settings, omega_rows=omega_rows, classifier_rows=classifier_rows)
     method = DeepAFL(schedule=schedule, **settings)
     engine = fit_method(method, dm, federation)
@@ -198,8 +190,24 @@ def test_dropouts_give_the_centralized_solves_on_each_rounds_participants(fit_me
         assert relative_error(method.classifier[t], classifier) <= 1e-8, t
     for t, omega in enumerate(omegas):
         assert relative_error(method.omega[t], omega) <= 1e-8, t
-    # some rounds did lose clients, and not always the same ones
-    assert len({tuple(participants(r).tolist()) for r in range(method.num_rounds)}) > 1
+    # the rounds did use different rows
+    assert len({tuple(rows_of_round(r).tolist()) for r in range(method.num_rounds)}) > 1
+    return method, engine
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_dropouts_give_the_centralized_solves_on_each_rounds_participants(fit_method, schedule):
+    """Under dropouts, fused round t solves Ω_t and W_t on round t's participants (the clients restate
+    Φ_{t−1}ᵀΦ_{t−1}, Φ_{t−1}ᵀY); two_round solves Ω_t on round 2t − 1's and W_t on round 2t's."""
+    num_clients, num_layers = 6, 3
+    dm = data(partition="dirichlet", alpha=0.5, num_clients=num_clients, batch_size=64)
+    federation = Federation(dropout=0.34, seed=4)
+
+    def participants(round_index: int) -> torch.Tensor:
+        kept = ~federation.dropped_clients(round_index, num_clients)
+        return kept[dm.train_client_ids]
+
+    method, engine = fit_against_each_rounds_rows(fit_method, dm, federation, schedule, num_layers, participants)
     h, f, classes = SMALL["hidden_dim"], SMALL["block_dim"], BLOBS.num_classes
     phi_stats, hidden_stats = h * (h + 1) // 2 + h * classes, f * (f + 1) // 2 + f * classes
     survivors = [round(num_clients - round(0.34 * num_clients))] * method.num_rounds
@@ -219,27 +227,15 @@ def test_sampled_cohorts_give_the_centralized_solves_on_each_rounds_cohort(fit_m
     """Under cohort sampling, as under dropouts, each round solves on its cohort's rows; a client
     that missed rounds receives the Ω_t it lacks with the broadcast (and every client, sampled or
     not, all it lacks with the final one), so its rebuilt Φ is the model's."""
-    num_clients, num_layers = 6, 3
+    num_clients = 6
     dm = data(partition="dirichlet", alpha=0.5, num_clients=num_clients, batch_size=64)
     federation = Federation(sample_rate=0.5, seed=3)
-    settings = dict(num_layers=num_layers, gamma=1.0, gamma_s=0.05, seed=2, **SMALL)
     available = torch.arange(num_clients)
 
     def cohort(round_index: int) -> torch.Tensor:
         return torch.isin(dm.train_client_ids, federation.sampled_clients(round_index, available))
 
-    if schedule == "fused":
-        omega_rows, classifier_rows = cohort, cohort
-    else:
-        omega_rows, classifier_rows = (lambda t: cohort(2 * t - 1)), (lambda t: cohort(2 * t))
-    classifiers, omegas = reference_fit(dm, **settings, omega_rows=omega_rows, classifier_rows=classifier_rows)
-    method = DeepAFL(schedule=schedule, **settings)
-    engine = fit_method(method, dm, federation)
-    for t, classifier in enumerate(classifiers):
-        assert relative_error(method.classifier[t], classifier) <= 1e-8, t
-    for t, omega in enumerate(omegas):
-        assert relative_error(method.omega[t], omega) <= 1e-8, t
-    assert len({tuple(cohort(r).tolist()) for r in range(method.num_rounds)}) > 1
+    method, engine = fit_against_each_rounds_rows(fit_method, dm, federation, schedule, 3, cohort)
     # the clients' half holds every Ω_t after the final broadcast, and scores as the server does
     torch.testing.assert_close(engine.client_half.omega, method.omega, rtol=0, atol=0)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_safle import fit_rounds
 
 from workbench.data import FederatedDataModule, SyntheticBlobs
 from workbench.engines.local import LocalClients
@@ -72,14 +73,7 @@ def test_afl_selection_one_client_at_a_time_equals_the_vectorized_clients():
         clients = [LocalClients(method, dm.train_features[mine], dm.train_labels[mine], dm.train_client_ids[mine],
                                 torch.tensor(group), 64)
                    for group in groups for mine in [torch.isin(dm.train_client_ids, torch.tensor(group))]]
-        while method.rounds_left:
-            broadcast = method.broadcast()
-            summed = {}
-            for served in clients:
-                upload, _ = served.half.client_update(method.round, broadcast, served.data)
-                summed = {name: summed.get(name, 0) + value for name, value in upload.items()}
-            method.server_update(summed, len(ids))
-            method.rounds_done += 1
+        fit_rounds(method, clients, len(ids))
         fitted.append(method)
     assert float(fitted[0].selected_gamma_out) == float(fitted[1].selected_gamma_out)
     assert torch.allclose(fitted[0].weight, fitted[1].weight, rtol=1e-10, atol=1e-12)

@@ -305,7 +305,7 @@ def test_groups_larger_than_the_digits_are_rejected():
 
 
 # ---- the paper's scale: the cg solver, quantile thresholds, γ from the hold-outs ------------------
-def fit_rounds(method: SAFLe, clients: list[LocalClients], num_clients: int) -> dict[str, float]:
+def fit_rounds(method, clients: list[LocalClients], num_clients: int) -> dict[str, float]:
     """Every round by hand, summing the uploads of `clients` (client halves, e.g. one per client)."""
     metrics = {}
     while method.rounds_left:
