@@ -260,13 +260,7 @@ class AnaPFL(AFL):
             return seed
         # round 1: W_g, for the clients' hold-out scores (and P_g's seed for a sampled client
         # that missed round 0)
-        return {"weight": self.weight, **(seed if self.sampled else {})}
-
-    @property
-    def sampled(self) -> bool:
-        """Whether rounds take cohorts (`federation.sample_rate` < 1): a client may then have missed
-        the broadcasts before, so the later ones repeat what it needs."""
-        return self.federation.sample_rate < 1
+        return {"weight": self.weight, **(seed if self.samples_cohorts else {})}
 
     def server_update(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, float]:
         if self.round == 0:
@@ -290,7 +284,7 @@ class AnaPFL(AFL):
             message = {"weight": self.weight}  # λ is the setting
         else:
             message = {"lambda": self.refinement_scale}  # the clients hold W_g from round 1 ...
-        if self.sampled:  # ... unless they missed it: W_g and P_g's seed again
+        if self.samples_cohorts:  # ... unless they missed it: W_g and P_g's seed again
             message.update(weight=self.weight, seed=torch.tensor(self.seed, dtype=torch.int64))
         return message
 

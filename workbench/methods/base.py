@@ -263,6 +263,12 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
     def before_restore(self, state: Mapping[str, Tensor]) -> None:
         """Reshape buffers whose shapes a fit finds (e.g. GH-OFL's Fisher subspace) to `state`'s."""
 
+    @property
+    def samples_cohorts(self) -> bool:
+        """Whether rounds take cohorts (`federation.sample_rate` < 1): a client may then have missed
+        earlier broadcasts, so what it needs from them must come again."""
+        return self.federation.sample_rate < 1
+
     # ---- state ------------------------------------------------------------------------------
     @property
     def round(self) -> int:

@@ -417,7 +417,7 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
     def restates(self) -> bool:
         """Whether fused rounds ask the clients for Φ_{t−1}ᵀΦ_{t−1} and Φ_{t−1}ᵀY again: under
         dropouts, where the server's kept sums may be over other clients than the round's."""
-        return self.fused and (self.federation.dropout > 0 or self.federation.sample_rate < 1)
+        return self.fused and (self.federation.dropout > 0 or self.samples_cohorts)
 
     def setup_problem(self, problem: Problem) -> None:
         h, f, layers = self.hidden_dim, self.block_dim, self.num_layers
