@@ -37,6 +37,7 @@ round's aggregated uploads are checked for NaN/inf before the server solves or s
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -50,7 +51,7 @@ from workbench.engines import ddp
 from workbench.engines.local import LocalClients, Replies
 from workbench.federation import Federation, codec, messages_bytes
 from workbench.federation.privacy import (ClientLevelDP, add_gaussian_noise, check_budget, clip_features,
-                                          gaussian_statistics_epsilon)
+                                          composed_statistics_epsilon)
 from workbench.federation.protocol import NOISE_STREAM
 from workbench.federation.secure_aggregation import SecureAggregator, UploadLayout, secure_aggregator
 from workbench.methods.base import FederatedMethod, Problem
@@ -171,15 +172,18 @@ class LightningEngine(LightningModule):
         self._setup_privacy(self._totals.pop("dp_clip_norm", None))
 
     def _setup_privacy(self, clip_norm: float | None) -> None:
-        """Client-level DP's server side (its clip norm as checkpointed, if resumed), and the budget
-        check before any round: the ε the configured rounds would spend."""
+        """Client-level DP's server side (its clip norm as checkpointed, if resumed), how the ε spent
+        after r rounds is found (`epsilon_after`: the method's sensitivity is stated once per fit),
+        and the budget check before any round: the ε the configured rounds would spend."""
         method, protocol = self.method, self.federation
         self.dp = ClientLevelDP(protocol, len(self.available)) if protocol.client_level_dp else None
         if self.dp is not None:
             self.dp.clip_norm = clip_norm if clip_norm is not None else self.dp.clip_norm
-            epsilon = self.dp.epsilon(method.num_rounds)
+            self.epsilon_after = self.dp.epsilon
         else:
-            epsilon = gaussian_statistics_epsilon(method, protocol, method.num_rounds)
+            sensitivity = method.statistics_sensitivity(protocol.feature_clip) if protocol.dp_sigma > 0 else None
+            self.epsilon_after = functools.partial(composed_statistics_epsilon, sensitivity, protocol)
+        epsilon = self.epsilon_after(method.num_rounds)
         if protocol.target_epsilon is not None and epsilon is None:
             raise ValueError(f"federation.target_epsilon needs a stated sensitivity: {type(method).__name__}'s "
                              "statistics have none under feature_clip (or feature_clip is 0)")
@@ -248,8 +252,7 @@ class LightningEngine(LightningModule):
         self.fit_metrics.update({**server_metrics, **client_metrics, **privacy_metrics,
                                  "comm/clients_in_round": float(len(survivors)),
                                  "comm/clients_dropped": float(len(lost))})
-        epsilon = (self.dp.epsilon(method.round) if self.dp is not None
-                   else gaussian_statistics_epsilon(method, protocol, method.round))
+        epsilon = self.epsilon_after(method.round)
         if epsilon is not None:
             self.fit_metrics["privacy/epsilon"] = epsilon
         if self.dp is not None:

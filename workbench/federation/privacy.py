@@ -280,8 +280,13 @@ def gaussian_statistics_epsilon(method, protocol: Federation, rounds: int) -> fl
     bounds their composition; cohort sampling would only lower it."""
     if protocol.dp_sigma == 0:
         return None
-    sensitivity = method.statistics_sensitivity(protocol.feature_clip)
-    if sensitivity is None:
+    return composed_statistics_epsilon(method.statistics_sensitivity(protocol.feature_clip), protocol, rounds)
+
+
+def composed_statistics_epsilon(sensitivity: float | None, protocol: Federation, rounds: int) -> float | None:
+    """`gaussian_statistics_epsilon` from the stated Δ (None: no claim), for a caller that asks each
+    round and states Δ once."""
+    if sensitivity is None or protocol.dp_sigma == 0:
         return None
     if rounds == 0:
         return 0.0
