@@ -48,28 +48,31 @@ def fit64(method, dm, federation=None) -> LightningEngine:
     return engine
 
 
-def test_one_client_with_full_participation_is_centralized_sgd():
-    dm = data(num_clients=1)
-    method = FedAvg(num_rounds=3, local_epochs=2, seed=4, **SMALL)
-    fit64(method, dm)
+def centralized_sgd(dm, rounds: int, lr_of_round, momentum: float = 0.0, weight_decay: float = 0.0) -> torch.Tensor:
+    """One client's MLP head (seed 4) after `rounds` rounds of torch.optim.SGD on the minibatches
+    FedAvg draws for it (2 epochs of batches of 32 per round), a fresh optimizer (and momentum
+    buffer) each round at the step `lr_of_round(t)`: the flat parameters, float64."""
     model = build_model("mlp", (8,), 4, hidden_dim=8, seed=4).double()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     features, labels = dm.train_features.double(), dm.train_labels
-    for round_index in range(3):
-        for index, mask in minibatch_schedule(
-            dm.train_client_ids,
-            torch.tensor([0]),
-            epochs=2,
-            batch_size=32,
-            seed=round_seed(4, round_index, MINIBATCHES),
-        ):
+    for round_index in range(rounds):
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr_of_round(round_index), momentum=momentum,
+                                    weight_decay=weight_decay)
+        for index, mask in minibatch_schedule(dm.train_client_ids, torch.tensor([0]), epochs=2, batch_size=32,
+                                              seed=round_seed(4, round_index, MINIBATCHES)):
             batch = index[0][mask[0]]
             optimizer.zero_grad()
             F.cross_entropy(model(features[batch]), labels[batch]).backward()
             optimizer.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_one_client_with_full_participation_is_centralized_sgd():
+    dm = data(num_clients=1)
+    method = FedAvg(num_rounds=3, local_epochs=2, seed=4, **SMALL)
+    fit64(method, dm)
     # Float64 everywhere except the wire: each round's Δw crosses it rounded to float32.
     ours = method.flat_parameters()
-    reference = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    reference = centralized_sgd(dm, 3, lambda round_index: 0.1)
     assert (ours - reference).norm() <= 1e-6 * reference.norm()
 
 

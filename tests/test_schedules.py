@@ -7,11 +7,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from test_fedavg import SMALL, data, fit64
+from test_fedavg import SMALL, centralized_sgd, data, fit64
 
-from workbench.federation.local_training import minibatch_schedule, scheduled_lr
+from workbench.federation.local_training import scheduled_lr
 from workbench.methods import OSFED, FedAvg, FedProx
-from workbench.methods.fedavg import MINIBATCHES, round_seed
 from workbench.methods.heads import build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -38,19 +37,10 @@ def test_one_client_fedavg_is_torch_sgd_with_the_schedule_and_a_fresh_momentum_b
     method = FedAvg(num_rounds=3, local_epochs=2, seed=4, lr_schedule=schedule, lr_step_rounds=2, lr_gamma=0.3,
                     momentum=momentum, weight_decay=weight_decay, **SMALL)
     fit64(method, dm)
-    model = build_model("mlp", (8,), 4, hidden_dim=8, seed=4).double()
-    features, labels = dm.train_features.double(), dm.train_labels
-    for round_index in range(3):
-        lr = scheduled_lr(0.1, round_index, 3, schedule, step_rounds=2, gamma=0.3)
-        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
-        for index, mask in minibatch_schedule(dm.train_client_ids, torch.tensor([0]), epochs=2, batch_size=32,
-                                              seed=round_seed(4, round_index, MINIBATCHES)):
-            batch = index[0][mask[0]]
-            optimizer.zero_grad()
-            F.cross_entropy(model(features[batch]), labels[batch]).backward()
-            optimizer.step()
     ours = method.flat_parameters()
-    reference = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    reference = centralized_sgd(dm, 3, lambda round_index: scheduled_lr(0.1, round_index, 3, schedule,
+                                                                        step_rounds=2, gamma=0.3),
+                                momentum=momentum, weight_decay=weight_decay)
     assert (ours - reference).norm() <= 1e-6 * reference.norm()  # Δw crosses the wire as float32
     constant = FedAvg(num_rounds=3, local_epochs=2, seed=4, momentum=momentum, weight_decay=weight_decay, **SMALL)
     fit64(constant, dm)
