@@ -68,6 +68,15 @@ def minibatch_schedule(
     order: a client's batches do not depend on which other clients train, nor on where it runs
     (in one process with every other client, or alone on a Flower node).
     """
+    for index, mask, _ in _schedule(client_ids, clients, epochs=epochs, batch_size=batch_size, seed=seed):
+        yield index, mask
+
+
+def _schedule(client_ids: Tensor, clients: Tensor, *, epochs: int, batch_size: int,
+              seed: int) -> Iterator[tuple[Tensor, Tensor, int]]:
+    """`minibatch_schedule`'s steps with the number of clients that have a batch at each, known on
+    the host: the clients' sample counts are read once (the keys are drawn on the host anyway, by
+    per-client generators), so the steps themselves never wait for the device."""
     device = client_ids.device
     num_ids = max(int(client_ids.max()), int(clients.max())) + 1
     slot = torch.full((num_ids,), -1, dtype=torch.long, device=device)
@@ -77,11 +86,13 @@ def minibatch_schedule(
     mine = mine[torch.argsort(sample_slot[mine], stable=True)]  # by client, then by position
     counts = torch.bincount(sample_slot[mine], minlength=len(clients))
     first = torch.cumsum(counts, 0) - counts
-    keys = torch.cat([torch.rand(epochs, int(count), generator=client_generator(seed, int(client)),
-                                 dtype=torch.float64)
-                      for client, count in zip(clients.tolist(), counts.tolist())], 1).to(device)
-    steps_per_epoch = int(-(-counts.max() // batch_size))  # the busiest client's ceil(n_k / B)
-    width = min(batch_size, int(counts.max()))
+    counts_here = counts.tolist()
+    keys = torch.cat([torch.rand(epochs, count, generator=client_generator(seed, client), dtype=torch.float64)
+                      for client, count in zip(clients.tolist(), counts_here)], 1).to(device)
+    steps = torch.tensor([-(-count // batch_size) for count in counts_here])  # ceil(n_k / B) per client
+    steps_per_epoch = int(steps.max())  # the busiest client's
+    active = (steps[None, :] > torch.arange(steps_per_epoch)[:, None]).sum(1).tolist()  # clients with a batch
+    width = min(batch_size, max(counts_here))
     for epoch in range(epochs):
         order = mine[torch.argsort(sample_slot[mine] + keys[epoch])]  # by client, then key
         rank = torch.arange(len(order), device=device) - first[sample_slot[order]]
@@ -91,7 +102,7 @@ def minibatch_schedule(
         table[sample_slot[order], rank] = order
         for step in range(steps_per_epoch):
             index = table[:, step * batch_size : step * batch_size + width]
-            yield index.clamp(min=0), index >= 0
+            yield index.clamp(min=0), index >= 0, active[step]
 
 
 def local_steps(client_ids: Tensor, clients: Tensor, *, epochs: int, batch_size: int) -> Tensor:
@@ -227,11 +238,10 @@ def local_sgd(
     plain = momentum == 0 and weight_decay == 0  # today's step, bit for bit
     velocity = {name: torch.zeros_like(value) for name, value in params.items()} if momentum > 0 else {}
     with torch.no_grad():
-        for index, mask in minibatch_schedule(
+        for index, mask, active in _schedule(
             client_ids, clients[by_size], epochs=epochs, batch_size=batch_size, seed=seed
         ):
-            active = int(mask[:, 0].sum())  # clients with a batch at this step: a prefix
-            index, mask = index[:active], mask[:active]
+            index, mask = index[:active], mask[:active]  # the clients with a batch: a prefix
             weight = mask.to(features.dtype) / mask.sum(1, keepdim=True)
             prefix = {name: value[:active] for name, value in params.items()}
             c = {
@@ -303,7 +313,8 @@ def lbfgs(
             direction = direction + (alpha - beta)[:, None] * s_hist[:, slot]
         # A direction that does not descend (numerical trouble) restarts from steepest descent.
         restart = (gradient * direction).sum(1) >= 0
-        direction[restart], rho[restart] = -gradient[restart], 0
+        direction = torch.where(restart[:, None], -gradient, direction)
+        rho = rho.masked_fill(restart[:, None], 0)
         has_history = has_history & ~restart
         slope = (gradient * direction).sum(1)
         descent = slope < 0  # False only where the gradient is exactly zero
@@ -315,13 +326,15 @@ def lbfgs(
 
         # Backtracking, batched: rows already accepted are re-evaluated where they stand.
         accepted = ~descent
-        new_x, new_value, new_gradient = x.clone(), value.clone(), gradient.clone()
+        new_x, new_value, new_gradient = x, value, gradient  # (replaced, never written in place)
         for _ in range(max_backtracks):
             trial = torch.where(accepted[:, None], new_x, x + step[:, None] * direction)
             trial_value, trial_gradient = objective(trial)
             ok = ~accepted & (trial_value <= value + armijo * step * slope)
-            new_x[ok], new_value[ok] = trial[ok], trial_value[ok]
-            new_gradient[ok] = trial_gradient[ok]
+            # torch.where, not boolean indexing: the host never waits for a count of rows
+            new_x = torch.where(ok[:, None], trial, new_x)
+            new_value = torch.where(ok, trial_value, new_value)
+            new_gradient = torch.where(ok[:, None], trial_gradient, new_gradient)
             accepted = accepted | ok
             step = torch.where(accepted, step, step / 2)
             if bool(accepted.all()):
@@ -331,9 +344,9 @@ def lbfgs(
         s, y = new_x - x, new_gradient - gradient
         sy = (s * y).sum(1)
         keep = accepted & descent & (sy > curvature_eps)
-        s_hist[keep] = torch.cat([s_hist[keep, 1:], s[keep, None]], 1)
-        y_hist[keep] = torch.cat([y_hist[keep, 1:], y[keep, None]], 1)
-        rho[keep] = torch.cat([rho[keep, 1:], (1 / sy[keep])[:, None]], 1)
-        rho[failed] = 0  # restart from steepest descent
+        s_hist = torch.where(keep[:, None, None], torch.cat([s_hist[:, 1:], s[:, None]], 1), s_hist)
+        y_hist = torch.where(keep[:, None, None], torch.cat([y_hist[:, 1:], y[:, None]], 1), y_hist)
+        rho = torch.where(keep[:, None], torch.cat([rho[:, 1:], (1 / sy.where(keep, 1))[:, None]], 1), rho)
+        rho = rho.masked_fill(failed[:, None], 0)  # restart from steepest descent
         x, value, gradient = new_x, new_value, new_gradient
     return x, value
