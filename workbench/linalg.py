@@ -21,6 +21,13 @@ def class_sums(features: Tensor, labels: Tensor, num_classes: int) -> Tensor:
     return sums.index_add_(0, labels, features).T
 
 
+def counts_of(index: Tensor, size: int, dtype: torch.dtype = torch.long) -> Tensor:
+    """`torch.bincount(index, minlength=size)` for indices known to lie in [0, size): a scatter, which
+    never waits for the device (bincount sizes its output by the largest index, a read to the host)."""
+    ones = torch.ones((), dtype=dtype, device=index.device).expand(index.numel())
+    return torch.zeros(size, dtype=dtype, device=index.device).index_add_(0, index.flatten(), ones)
+
+
 def solve_spd(gram: Tensor, rhs: Tensor, *, what: str = "Gram matrix") -> Tensor:
     """Solve `gram · W = rhs` for a symmetric positive (semi-)definite `gram`: (d, d), (d, C) -> (d, C).
 
@@ -73,7 +80,7 @@ def multi_hot_gram(active: Tensor, size: int, *, dtype: torch.dtype = torch.floa
             torch.add(chunk[j + 1:], chunk[j] * size, out=pair_keys.view(m - 1 - j, chunk.shape[1]))
             pair_counts.index_add_(0, pair_keys, one.expand(pair_keys.numel()))
     gram = _add_own_transpose_(pair_counts.view(size, size))  # the mirror of every pair
-    gram.diagonal().add_(torch.bincount(active.flatten(), minlength=size).to(dtype))
+    gram.diagonal().add_(counts_of(active, size, dtype))
     return gram
 
 
@@ -114,22 +121,24 @@ def _padded_group_chunks(groups: Tensor, num_groups: int, group_bytes, max_chunk
     `max_chunk_bytes` (at least one).
     Yields (chunk (m,) group ids, rows (m, s) positions into `groups`, valid (m, s) bool).
     """
-    counts = torch.bincount(groups, minlength=num_groups)
+    device = groups.device
+    counts = counts_of(groups, num_groups)
     by_group = torch.argsort(groups, stable=True)  # row positions, grouped
     starts = torch.cumsum(counts, 0) - counts
-    by_size = torch.argsort(counts, stable=True)
-    by_size = by_size[counts[by_size] > 0]
-    sizes = counts[by_size]
+    sizes_here = counts.cpu()  # one read: the chunks are planned on the host
+    by_size = torch.argsort(sizes_here, stable=True)
+    by_size = by_size[sizes_here[by_size] > 0]
+    sizes = sizes_here[by_size]
     size_class = torch.floor(4 * torch.log2(sizes.double())).long()  # nondecreasing
     chunk_cost = group_bytes(sizes)  # nondecreasing, as the sizes are
     first = 0
     while first < len(by_size):
-        members = torch.arange(1, len(by_size) - first + 1, device=groups.device)
+        members = torch.arange(1, len(by_size) - first + 1)
         # (members) × (cost of the largest member) grows with the chunk: the fitting ones are a prefix
         fitting = (members * chunk_cost[first:] <= max_chunk_bytes) & (size_class[first:] == size_class[first])
         count = max(1, int(fitting.sum()))
-        chunk = by_size[first:first + count]
-        offsets = torch.arange(int(counts[chunk[-1]]), device=groups.device)
+        chunk = by_size[first:first + count].to(device)
+        offsets = torch.arange(int(sizes[first + count - 1]), device=device)
         valid = offsets < counts[chunk, None]
         rows = by_group[torch.where(valid, starts[chunk, None] + offsets, 0)]
         yield chunk, rows, valid
@@ -161,18 +170,26 @@ def grouped_ridge(features: Tensor, targets: Tensor, groups: Tensor, num_groups:
         return (size * (dim + num_targets) + side * side + 2 * dim * num_targets) * features.element_size()
 
     weights = features.new_zeros(num_groups, dim, num_targets)
+    failed = torch.zeros((), dtype=torch.bool, device=features.device)
     for chunk, rows, valid in _padded_group_chunks(groups, num_groups, group_bytes, max_chunk_bytes):
         x = features[rows] * valid[..., None]  # (m, s, d), zero past each group's end
         t = targets[rows] * valid[..., None]   # (m, s, C)
         if uses_dual(rows.shape[1]):
             kernel = x @ x.mT
             kernel.diagonal(dim1=-2, dim2=-1).add_(regularization)
-            dual = torch.cholesky_solve(t, torch.linalg.cholesky(kernel))  # (m, s, C)
+            factor, info = torch.linalg.cholesky_ex(kernel)  # checked once, after every chunk
+            dual = torch.cholesky_solve(t, factor)  # (m, s, C)
             weights[chunk] = (dual.mT @ x).mT  # Xᵀα, as (αᵀX)ᵀ: batched matmuls are slow on a transposed X
         else:
             gram = x.mT @ x
             gram.diagonal(dim1=-2, dim2=-1).add_(regularization)
-            weights[chunk] = torch.cholesky_solve((t.mT @ x).mT, torch.linalg.cholesky(gram))
+            factor, info = torch.linalg.cholesky_ex(gram)
+            weights[chunk] = torch.cholesky_solve((t.mT @ x).mT, factor)
+        failed |= (info != 0).any()
+    if bool(failed):
+        raise ValueError(f"grouped_ridge: a group's regularized Gram matrix is not numerically positive definite "
+                         f"(regularization {regularization}): raise the regularization, or check the features "
+                         "for non-finite values")
     return weights
 
 
@@ -184,14 +201,14 @@ def grouped_matmul(features: Tensor, matrices: Tensor, groups: Tensor, *, max_ch
     group's matrix.
     """
     dim, num_outputs = matrices.shape[1:]
-    out = features.new_empty(len(features), num_outputs)
+    out = features.new_empty(len(features) + 1, num_outputs)  # row n takes the padding's outputs
 
     def group_bytes(size: Tensor) -> Tensor:
         return (size * (dim + num_outputs) + dim * num_outputs) * features.element_size()
 
     for chunk, rows, valid in _padded_group_chunks(groups, len(matrices), group_bytes, max_chunk_bytes):
-        out[rows[valid]] = (features[rows] @ matrices[chunk])[valid]
-    return out
+        out[torch.where(valid, rows, len(features))] = features[rows] @ matrices[chunk]
+    return out[:-1]
 
 
 class MultiHotDesign:

@@ -70,7 +70,7 @@ class LocalClients:
         clip = method.federation.feature_clip
         if clip > 0:  # each client bounds its own rows, so the noise's sensitivity holds by construction
             features = clip_features(features, clip)
-        self.data = Cohort(features, labels, client_ids, served, torch.arange(len(labels)), batch_size)
+        self.data = Cohort(features, labels, client_ids, served, torch.arange(len(labels), device=labels.device), batch_size)
         counts = torch.bincount(client_ids, minlength=method.num_clients)
         self.ends = torch.cumsum(counts, 0)
         self.starts = self.ends - counts
@@ -81,7 +81,7 @@ class LocalClients:
 
     def cohort(self, clients: Tensor) -> Cohort:
         """The rows of `clients` (sorted ids this process serves)."""
-        if len(clients) == len(self.served) and torch.equal(clients.cpu(), self.served.cpu()):
+        if len(clients) == len(self.served) and torch.equal(clients, self.served):
             return self.data
         if len(clients) == 1:  # one client's rows are one slice: no copy
             k = int(clients[0])

@@ -95,6 +95,7 @@ class AnaPFLClient(AFLClient):
         self.lambdas, self.holdout_fraction = list(method.lambdas), method.holdout_fraction
         self.seed, self.local_seed = method.seed, method.local_seed  # the hold-out's and P_l's seeds
         self._projections: dict[tuple, Tensor] = {}
+        self._seed: int | None = None  # `main_seed` as read on the host
 
     def setup_state(self) -> None:
         device = self.served.device
@@ -115,10 +116,21 @@ class AnaPFLClient(AFLClient):
 
     def main_features(self, features: Tensor) -> Tensor:
         """Hg = tanh(X P_g), P_g from the seed the server sent: (n, d) -> (n, h)."""
-        if int(self.main_seed) < 0:
+        if self._seed is None:  # read once from the buffer (on the device), not once per chunk of rows
+            self._seed = int(self.main_seed)
+        if self._seed < 0:
             raise RuntimeError("AnaPFL's client has not received the seed of P_g (round 0's broadcast)")
         x = features.flatten(1).to(self.stat_dtype)
-        return torch.tanh(x @ self._projection(int(self.main_seed), 0, x.device))
+        return torch.tanh(x @ self._projection(self._seed, 0, x.device))
+
+    def _receive_seed(self, broadcast) -> None:
+        if "seed" in broadcast:
+            self._seed = int(broadcast["seed"])
+            self.main_seed.fill_(self._seed)
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self._seed = None  # a restored `main_seed`: read it again
 
     def local_features(self, features: Tensor) -> Tensor:
         """Hl = tanh(X P_l), P_l from the clients' own seed: (n, d) -> (n, h)."""
@@ -127,8 +139,7 @@ class AnaPFLClient(AFLClient):
 
     # ---- the rounds ----------------------------------------------------------------------------
     def client_update(self, round_index, broadcast: Mapping[str, Tensor], cohort: Cohort):
-        if "seed" in broadcast:
-            self.main_seed.fill_(int(broadcast["seed"]))
+        self._receive_seed(broadcast)
         if "weight" in broadcast:
             self.global_weight.copy_(broadcast["weight"])
         if round_index == 0:
@@ -158,8 +169,7 @@ class AnaPFLClient(AFLClient):
     @torch.no_grad()
     def finish(self, broadcast: Mapping[str, Tensor], cohort: Cohort) -> dict[str, float]:
         """W_l,k of every client of the cohort on all its rows, with the final W_g and λ."""
-        if "seed" in broadcast:
-            self.main_seed.fill_(int(broadcast["seed"]))
+        self._receive_seed(broadcast)
         if "weight" in broadcast:
             self.global_weight.copy_(broadcast["weight"])
         scale = broadcast["lambda"] if "lambda" in broadcast else self.lambdas[0]  # one λ: the setting

@@ -80,6 +80,7 @@ for Ω_t, so J_t + γ_s‖Ω_t‖² ≤ J_{t−1}: the training risk never incre
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -230,10 +231,18 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
             self.register_buffer("hidden_layer", torch.full((self.num_samples,), -1, dtype=torch.long,
                                                             device=device), persistent=False)
 
-    def _previous_features(self, part: Cohort, depth: int) -> Tensor:
-        """Φ_depth of the rows: from the cache, or rebuilt from the received Ω when it lacks them."""
+    def _chunks_where(self, cohort: Cohort, condition: Tensor) -> list[bool]:
+        """For each chunk of `cohort.batches()`, whether `condition` (one bool per cohort row) holds
+        on all its rows: one read from the device a round, not one a chunk."""
+        if not len(condition):
+            return []
+        return torch.stack([part.all() for part in condition.split(cohort.batch_size)]).tolist()
+
+    def _previous_features(self, part: Cohort, depth: int, kept: bool) -> Tensor:
+        """Φ_depth of the rows: from the cache (`kept`: it holds them all), or rebuilt from the
+        received Ω."""
         rows = part.sample_index.to(self.phi.device)
-        if bool((self.phi_depth[rows] == depth).all()):
+        if kept:
             return self.phi[rows]
         return self._keep(rows, self.features_at_depth(part.features, depth), depth)
 
@@ -254,14 +263,24 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
             raise ValueError(f"the server's DeepAFL seed {int(broadcast['seed'])} differs from this client's "
                              f"{self.seed}: build the clients from the same DeepAFL settings as the server")
 
-    def _fused_previous(self, part: Cohort, layer: int) -> Tensor:
+    def _fused_sources(self, cohort: Cohort, layer: int) -> list[tuple[bool, bool]]:
+        """Per chunk, for `_fused_previous`: (Φ_{t−1} kept, Φ_{t−2} and F_{t−1} kept)."""
+        rows, depth = cohort.sample_index.to(self.phi.device), layer - 1
+        kept = self._chunks_where(cohort, self.phi_depth[rows] == depth)
+        if depth < 1:
+            return [(k, False) for k in kept]
+        one_back = self._chunks_where(cohort, (self.phi_depth[rows] == depth - 1) & (self.hidden_layer[rows] == depth))
+        return list(zip(kept, one_back))
+
+    def _fused_previous(self, part: Cohort, layer: int, sources: tuple[bool, bool]) -> Tensor:
         """Φ_{t−1} for round t = `layer` of the fused schedule: kept; or Φ_{t−2} + F_{t−1}Ω_{t−1} from
         the kept Φ_{t−2} and F_{t−1} (one product, F not recomputed); or rebuilt from the samples."""
         rows = part.sample_index.to(self.phi.device)
         depth = layer - 1
-        if bool((self.phi_depth[rows] == depth).all()):
+        kept, one_back = sources
+        if kept:
             return self.phi[rows]
-        if depth >= 1 and bool(((self.phi_depth[rows] == depth - 1) & (self.hidden_layer[rows] == depth)).all()):
+        if one_back:
             phi = torch.addmm(self.phi[rows], self.hidden[rows], self.omega[depth - 1])
         else:
             phi = self.features_at_depth(part.features, depth)
@@ -277,9 +296,9 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
         hidden_gram, mixed = self.omega.new_zeros(f, f), self.omega.new_zeros(h, f)
         hidden_labels = self.omega.new_zeros(f, classes)
         gram, cross = (self.omega.new_zeros(h, h), self.omega.new_zeros(h, classes)) if restate else (None, None)
-        for part in cohort.batches():
+        for part, sources in zip(cohort.batches(), self._fused_sources(cohort, layer)):
             rows = part.sample_index.to(self.phi.device)
-            phi = self._fused_previous(part, layer)
+            phi = self._fused_previous(part, layer, sources)
             hidden = self.block_features(phi, layer)  # F_t, computed once
             self.hidden[rows] = hidden
             self.hidden_layer[rows] = layer
@@ -315,11 +334,13 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
         side = f if solves_omega else h
         gram = self.omega.new_zeros(side, side)
         cross = self.omega.new_zeros(side, classes)
-        for part in cohort.batches():
+        kept = (itertools.repeat(False) if round_index == 0 else  # per chunk: Φ_{t−1} kept
+                self._chunks_where(cohort, self.phi_depth[cohort.sample_index.to(self.phi.device)] == layer - 1))
+        for part, part_kept in zip(cohort.batches(), kept):
             if round_index == 0:
                 phi = self._keep(part.sample_index.to(self.phi.device), self.input_features(part.features), 0)
             else:
-                phi_previous = self._previous_features(part, layer - 1)
+                phi_previous = self._previous_features(part, layer - 1, part_kept)
                 hidden = self.block_features(phi_previous, layer)
                 if solves_omega:  # FᵀF and FᵀR with R = Y − Φ_{t−1} W_{t−1}
                     gram += hidden.T @ hidden

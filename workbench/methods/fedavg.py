@@ -74,8 +74,10 @@ class Flat:
 
     def load(self, weights: Tensor) -> None:
         """w ← weights (P,)."""
-        with torch.no_grad():
-            torch.nn.utils.vector_to_parameters(weights.to(self.vector()), self.net.parameters())
+        params = list(self.net.parameters())
+        with torch.no_grad():  # in place: the parameters keep their storage (never alias `weights`)
+            for p, part in zip(params, weights.split([p.numel() for p in params])):
+                p.copy_(part.view_as(p))
 
     def flatten(self, params: Mapping[str, Tensor]) -> Tensor:
         """Per-client parameter dict {name: (m, *shape)} -> (m, P), in the model's order."""

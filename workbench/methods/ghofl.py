@@ -38,7 +38,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from workbench.linalg import class_sums
+from workbench.linalg import class_sums, counts_of
 from workbench.methods.base import SUMMED, SYMMETRIC, ClientHalf, Cohort, FederatedMethod, Problem
 from workbench.methods.gaussian_heads import (
     FisherMixHead,
@@ -138,14 +138,20 @@ class GHOFLClient(ClientHalf):
             uploads["second_moment"] = zeros.new_zeros(side, side)
         if self.sends_square_sums:
             uploads["class_square_sums"] = zeros.new_zeros(num_classes, side)
-        for part in cohort.batches():
+        chunk = torch.arange(len(cohort), device=cohort.labels.device) // cohort.batch_size
+        counts = counts_of(chunk * num_classes + cohort.labels, num_classes * int(-(-len(cohort) // cohort.batch_size)))
+        counts = counts.view(-1, num_classes)  # (chunks, C)
+        uploads["class_counts"] += counts.sum(0)
+        # the class sizes of every chunk, read once: splitting a chunk by class needs them on the host
+        sizes = counts.tolist() if self.sends_class_second_moments else None
+        for index, part in enumerate(cohort.batches()):
             x, labels = self.head_input(part.features), part.labels
             uploads["class_sums"] += class_sums(x, labels, num_classes).T
-            uploads["class_counts"] += torch.bincount(labels, minlength=num_classes)
-            if self.sends_class_second_moments:
-                for c in labels.unique().tolist():  # a loop over classes, O(n·d²) in all
-                    members = x[labels == c]
-                    uploads["class_second_moments"][c] += members.T @ members
+            if self.sends_class_second_moments:  # a loop over classes, O(n·d²) in all
+                by_class = x[torch.argsort(labels, stable=True)].split(sizes[index])
+                for c, members in enumerate(by_class):
+                    if len(members):
+                        uploads["class_second_moments"][c] += members.T @ members
             if self.sends_second_moment:
                 uploads["second_moment"] += x.T @ x
             if self.sends_square_sums:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from workbench.data.partition import stratified_holdout
+from workbench.linalg import counts_of
 from workbench.methods.base import SUMMED, SYMMETRIC
 
 HOLDOUT_STREAM = 2  # the seed stream of the clients' hold-outs (AnaPFL: 0 is P_g, 1 is P_l)
@@ -50,10 +51,10 @@ def client_holdout(labels: Tensor, client_ids: Tensor, clients: Tensor, fraction
     Client k holds out `stratified_holdout(its labels, fraction, holdout_seed(seed, k))`: the same
     rows whichever other clients are computed with it.
     """
-    labels_cpu, ids_cpu = labels.cpu(), client_ids.cpu()
-    counts = torch.bincount(torch.searchsorted(clients.cpu(), ids_cpu), minlength=len(clients))
-    parts = [stratified_holdout(part, fraction, holdout_seed(seed, int(k)))
-             for part, k in zip(labels_cpu.split(counts.tolist()), clients.cpu()) if len(part)]
+    # drawn on the host by each client's own generator: the labels are read once (8 bytes a row)
+    counts = counts_of(torch.searchsorted(clients, client_ids), len(clients)).tolist()
+    parts = [stratified_holdout(part, fraction, holdout_seed(seed, k))
+             for part, k in zip(labels.cpu().split(counts), clients.tolist()) if len(part)]
     mask = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool)
     return mask.to(labels.device)
 

@@ -67,6 +67,7 @@ from workbench.federation import codec
 from workbench.linalg import (
     MultiHotDesign,
     class_sums,
+    counts_of,
     multi_hot_cross,
     multi_hot_gram,
     multi_hot_ridge,
@@ -258,7 +259,7 @@ class SAFLeClient(SparseEmbedding, ClientHalf):
         """ΦᵀY counts (row, class) pairs: (n, E), (n,) -> (E·V, C)."""
         classes = self.num_classes
         pairs = (active * classes + labels[:, None]).flatten()
-        return torch.bincount(pairs, minlength=self.embedding_rows * classes).view(-1, classes).to(self.stat_dtype)
+        return counts_of(pairs, self.embedding_rows * classes, self.stat_dtype).view(-1, classes)
 
     def _rows(self, cohort: Cohort, held: Tensor | None) -> dict[str, Tensor]:
         """Solver "cg": ΦᵀY (and the hold-out's) and the row count are uploaded; the active rows go
@@ -310,7 +311,7 @@ class SAFLeClient(SparseEmbedding, ClientHalf):
             z = self.standardize(part.features)
             bins = ((z + HISTOGRAM_RANGE) * (HISTOGRAM_BINS / (2 * HISTOGRAM_RANGE))).floor()
             bins = bins.clamp(0, HISTOGRAM_BINS - 1).long() + offsets  # the end bins catch the tails
-            counts += torch.bincount(bins.flatten(), minlength=d * HISTOGRAM_BINS).to(counts)
+            counts += counts_of(bins, d * HISTOGRAM_BINS, counts.dtype)
         return {"histogram": counts.view(d, HISTOGRAM_BINS)}
 
 
