@@ -17,7 +17,8 @@ EfficientNet-Lite0 weights ship in a package and ResNet-18 is a random init (tim
    with weights of its own (what the clients' vmapped steps compute). Ratio = round time / bare.
 
 "fit" times are the engine's `time/fit_s` (rounds and server solves); the fit call with
-Lightning's setup is shown beside it. Bare times are medians over `--repeats`, synchronized.
+Lightning's setup is shown beside it. Bare times are medians over `--repeats`, synchronized. "host
+syncs / round": the synchronizing CUDA calls of one more fit (torch's sync debug mode), per round.
 
     python benchmarks/gpu.py                          # on the GPU (cuda), writes results/gpu.md
     python benchmarks/gpu.py --device cpu --smoke     # every part at tiny sizes (a check, seconds)
@@ -30,6 +31,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -124,6 +126,24 @@ def fit(method, dm: FederatedDataModule, device: str) -> tuple[float, float]:
     return engine.fit_metrics["time/fit_s"], time.perf_counter() - start
 
 
+def syncs_per_round(build, dm: FederatedDataModule, device: str) -> str:
+    """Calls that made the host wait for the GPU in one more fit (setup, rounds, the final broadcast,
+    Lightning's own calls included), as torch's sync debug mode reports them, per round; "—" off
+    CUDA (tests/test_device.py counts them per round on a recording stand-in device)."""
+    if torch.device(device).type != "cuda":
+        return "—"
+    method = build()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fit(method, dm, device)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = sum("synchroniz" in str(warning.message) for warning in caught)
+    return f"{syncs / max(method.num_rounds, 1):.0f}"
+
+
 def afl_row(cfg: dict, device: str, repeats: int) -> str:
     dm = blobs(cfg, cfg["clients"])
     x = dm.train_features.to(device, torch.float64)
@@ -139,8 +159,9 @@ def afl_row(cfg: dict, device: str, repeats: int) -> str:
     runs = [fit(AFL(gamma=1.0, gamma_out=1.0), dm, device) for _ in range(repeats)]
     fit_s, whole_s = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
     bare_s = median_seconds(bare, device, repeats)
+    syncs = syncs_per_round(lambda: AFL(gamma=1.0, gamma_out=1.0), dm, device)
     return (f"| AFL, K = {cfg['clients']}, n × d = {len(x)} × {x.shape[1]} | {fit_s:.3f} | {whole_s:.2f} | "
-            f"{bare_s:.4f} (XᵀX + Cholesky, float64) | {fit_s / bare_s:.1f} |")
+            f"{bare_s:.4f} (XᵀX + Cholesky, float64) | {fit_s / bare_s:.1f} | {syncs} |")
 
 
 def deepafl_row(cfg: dict, device: str, repeats: int) -> str:
@@ -160,8 +181,9 @@ def deepafl_row(cfg: dict, device: str, repeats: int) -> str:
     bare()
     bare_s = median_seconds(bare, device, repeats) * layers
     fit_s, whole_s = fit(DeepAFL(num_layers=layers, hidden_dim=h, block_dim=h), dm, device)
+    syncs = syncs_per_round(lambda: DeepAFL(num_layers=layers, hidden_dim=h, block_dim=h), dm, device)
     return (f"| DeepAFL fused, T = {layers}, h = f = {h}, n = {n} | {fit_s:.3f} | {whole_s:.2f} | "
-            f"{bare_s:.4f} (T × 4 n·h·f products, float64) | {fit_s / bare_s:.1f} |")
+            f"{bare_s:.4f} (T × 4 n·h·f products, float64) | {fit_s / bare_s:.1f} | {syncs} |")
 
 
 def fedavg_row(cfg: dict, device: str, repeats: int) -> str:
@@ -186,9 +208,10 @@ def fedavg_row(cfg: dict, device: str, repeats: int) -> str:
     bare_s = median_seconds(bare, device, repeats)
     rounds = cfg["fedavg_rounds"]
     fit_s, whole_s = fit(FedAvg(num_rounds=rounds, hidden_dim=hidden, local_batch_size=batch), dm, device)
+    syncs = syncs_per_round(lambda: FedAvg(num_rounds=rounds, hidden_dim=hidden, local_batch_size=batch), dm, device)
     return (f"| FedAvg, K = {cfg['clients']}, MLP {d}-{hidden}-{c}, 1 epoch, B = {batch}, per round "
             f"({rounds} rounds) | {fit_s / rounds:.3f} | {whole_s:.2f} | {bare_s:.4f} (one epoch's "
-            f"batched GEMMs, float32) | {fit_s / rounds / bare_s:.1f} |")
+            f"batched GEMMs, float32) | {fit_s / rounds / bare_s:.1f} | {syncs} |")
 
 
 def main(argv: list[str] | None = None) -> list[str]:
@@ -223,7 +246,8 @@ def main(argv: list[str] | None = None) -> list[str]:
                if part in parts]
     if methods:
         lines += ["Methods on Gaussian blobs in feature space (`dataset: synthetic`), Dirichlet(0.5) clients.", "",
-                  "| run | fit s | whole fit call s | bare s | fit / bare |", "|---|---|---|---|---|"]
+                  "| run | fit s | whole fit call s | bare s | fit / bare | host syncs / round |",
+                  "|---|---|---|---|---|---|"]
         for _, row in methods:
             lines.append(row(cfg, device, repeats))
             print(lines[-1], flush=True)
