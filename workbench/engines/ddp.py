@@ -91,9 +91,20 @@ def sum_across_processes(tensor: Tensor, strategy) -> Tensor:
 def end_processes() -> None:
     """Destroys this process's process group, if any: a group left to the interpreter's exit can
     abort the process ("terminate called without an active exception", gloo's threads still
-    running) after its work is done. Every process of a multi-process run calls it last."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    running) after its work is done. Every process of a multi-process run calls it last.
+
+    Before torch 2.8 the `ProcessGroup` wrapper was freed with the GIL held while gloo's
+    destructor joins its worker threads, and a worker still freeing the tensors of a finished
+    collective (Lightning's `broadcast_object_list` of `trainer.log_dir`, a moment earlier) waits
+    for the GIL: both wait forever (pytorch#56297, fixed by #154976). The gloo backend's own
+    binding releases the GIL when it is freed, so this holds the backend past the group and lets
+    go of it last."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    gloo = (torch.distributed.group.WORLD._get_backend(torch.device("cpu"))
+            if torch.distributed.get_backend() == "gloo" else None)
+    torch.distributed.destroy_process_group()
+    del gloo  # the last reference: ~ProcessGroupGloo joins its threads with the GIL released
 
 
 def broadcast_module_state(module: nn.Module) -> None:
