@@ -69,16 +69,41 @@ def autocast(precision: str, device: str) -> AbstractContextManager:
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
 
 
-def host_buffer(rows: int, dim: int, device: str) -> Tensor:
-    """Where the features come back to: page-locked host memory when they come from a GPU, so that
-    each batch's copy is asynchronous (the host queues the next batch instead of waiting)."""
-    return torch.empty(rows, dim, dtype=torch.float32, pin_memory=torch.device(device).type == "cuda")
+GATHER_BYTES = 1 << 28  # features kept on the device between copies to the host
 
 
-def wait_for(device: str) -> None:
-    """Let the asynchronous copies to the host finish before their buffer is read."""
+class HostRows:
+    """Features computed on the device, gathered there and copied into the host's `out` in pieces of
+    `GATHER_BYTES`: the host waits for the device once per piece, not once per batch (and no large
+    page-locked buffer is needed). `rows[i]`: the row of `out` that the i-th gathered row fills
+    (default i)."""
+
+    def __init__(self, out: Tensor, rows: Tensor | None = None) -> None:
+        self.out, self.rows = out, rows
+        self.gathered: list[Tensor] = []
+        self.copied = self.pending_bytes = 0
+
+    def add(self, features: Tensor) -> None:
+        self.gathered.append(features.float())
+        self.pending_bytes += self.gathered[-1].numel() * 4
+        if self.pending_bytes >= GATHER_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.gathered:
+            return
+        piece = torch.cat(self.gathered).cpu()  # one copy; the host waits for the device here
+        where = slice(self.copied, self.copied + len(piece))
+        self.out[where if self.rows is None else self.rows[where]] = piece
+        self.copied += len(piece)
+        self.gathered, self.pending_bytes = [], 0
+
+
+def to_device(batch: Tensor, device: str) -> Tensor:
+    """A host batch to the device without the host waiting: from page-locked memory on CUDA."""
     if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
+        batch = batch.pin_memory()
+    return batch.to(device, non_blocking=True)
 
 
 @torch.inference_mode()
@@ -87,18 +112,17 @@ def extract_features(backbone, images: Tensor, batch_size: int = 256, device: st
     """Run the frozen backbone over uint8 `images` (N, H, W[, 3]) -> float32 features (N, D)."""
     # channels_last: convolution kernels on CPU run several times faster in this layout.
     model = backbone.model.to(device, memory_format=torch.channels_last).eval()
-    out = host_buffer(len(images), backbone.feature_dim, device)
+    out = torch.empty(len(images), backbone.feature_dim, dtype=torch.float32)
+    features = HostRows(out)
     mean, std = (torch.tensor(v, dtype=torch.float32, device=device) for v in (backbone.mean, backbone.std))
     start = time.perf_counter()
     with tqdm(total=len(images), desc=desc, unit="img", leave=False) as bar, autocast(precision, device):
         for lo in range(0, len(images), batch_size):
             # uint8 to the device (a quarter of float32's bytes), preprocessed there
-            batch = images[lo:lo + batch_size].to(device, non_blocking=True)
-            batch = preprocess(batch, backbone.input_size, mean, std)
-            batch = batch.contiguous(memory_format=torch.channels_last)
-            out[lo:lo + len(batch)].copy_(model(batch).float(), non_blocking=True)
+            batch = preprocess(to_device(images[lo:lo + batch_size], device), backbone.input_size, mean, std)
+            features.add(model(batch.contiguous(memory_format=torch.channels_last)))
             bar.update(len(batch))
-    wait_for(device)
+    features.flush()
     rate = len(images) / max(time.perf_counter() - start, 1e-9)
     print(f"[workbench] extracted {desc}: {len(images)} images, {rate:.0f} images/s")
     return out
@@ -116,20 +140,19 @@ def extract_text_features(backbone, texts: Sequence[str], batch_size: int = 64, 
     out = torch.empty(len(texts), backbone.feature_dim, dtype=torch.float32)
     if not len(texts):
         return out
-    by_length = host_buffer(len(texts), backbone.feature_dim, device)  # rows by token count
     start = time.perf_counter()
     tokens = backbone.tokenize(texts)  # input_ids, attention_mask: (N, L)
     lengths = tokens["attention_mask"].sum(dim=1)
     order = torch.argsort(lengths, stable=True)
+    features = HostRows(out, rows=order)  # computed by token count, stored in the input order
     with tqdm(total=len(texts), desc=desc, unit="text", leave=False) as bar, autocast(precision, device):
         for lo in range(0, len(texts), batch_size):
             rows = order[lo:lo + batch_size]
             width = int(lengths[rows].max())
-            batch = {name: t[rows, :width].to(device) for name, t in tokens.items()}
-            by_length[lo:lo + len(rows)].copy_(model(**batch).float(), non_blocking=True)
+            batch = {name: to_device(t[rows, :width], device) for name, t in tokens.items()}
+            features.add(model(**batch))
             bar.update(len(rows))
-    wait_for(device)
-    out[order] = by_length
+    features.flush()
     rate = len(texts) / max(time.perf_counter() - start, 1e-9)
     print(f"[workbench] extracted {desc}: {len(texts)} texts, {rate:.0f} texts/s")
     return out
