@@ -22,10 +22,12 @@ def class_sums(features: Tensor, labels: Tensor, num_classes: int) -> Tensor:
 
 
 def counts_of(index: Tensor, size: int, dtype: torch.dtype = torch.long) -> Tensor:
-    """`torch.bincount(index, minlength=size)` for indices known to lie in [0, size): a scatter, which
-    never waits for the device (bincount sizes its output by the largest index, a read to the host)."""
-    ones = torch.ones((), dtype=dtype, device=index.device).expand(index.numel())
-    return torch.zeros(size, dtype=dtype, device=index.device).index_add_(0, index.flatten(), ones)
+    """`torch.bincount(index, minlength=size)` for indices that lie in [0, size) (the callers' invariant;
+    outside it CUDA stops with a device-side assert): a scatter, which never waits for the device
+    (bincount sizes its output by the largest index, a read to the host)."""
+    ones = torch.ones((), dtype=torch.long, device=index.device).expand(index.numel())
+    counts = torch.zeros(size, dtype=torch.long, device=index.device).index_add_(0, index.flatten(), ones)
+    return counts.to(dtype)  # counted exactly, rounded once
 
 
 def solve_spd(gram: Tensor, rhs: Tensor, *, what: str = "Gram matrix") -> Tensor:
@@ -125,10 +127,11 @@ def _padded_group_chunks(groups: Tensor, num_groups: int, group_bytes, max_chunk
     counts = counts_of(groups, num_groups)
     by_group = torch.argsort(groups, stable=True)  # row positions, grouped
     starts = torch.cumsum(counts, 0) - counts
-    sizes_here = counts.cpu()  # one read: the chunks are planned on the host
-    by_size = torch.argsort(sizes_here, stable=True)
-    by_size = by_size[sizes_here[by_size] > 0]
-    sizes = sizes_here[by_size]
+    host_counts = counts.cpu()  # one read: the chunks are planned on the host
+    by_size = torch.argsort(host_counts, stable=True)
+    by_size = by_size[host_counts[by_size] > 0]
+    sizes = host_counts[by_size]
+    by_size_there = by_size.to(device)  # one copy; the chunks are slices of it
     size_class = torch.floor(4 * torch.log2(sizes.double())).long()  # nondecreasing
     chunk_cost = group_bytes(sizes)  # nondecreasing, as the sizes are
     first = 0
@@ -137,7 +140,7 @@ def _padded_group_chunks(groups: Tensor, num_groups: int, group_bytes, max_chunk
         # (members) × (cost of the largest member) grows with the chunk: the fitting ones are a prefix
         fitting = (members * chunk_cost[first:] <= max_chunk_bytes) & (size_class[first:] == size_class[first])
         count = max(1, int(fitting.sum()))
-        chunk = by_size[first:first + count].to(device)
+        chunk = by_size_there[first:first + count]
         offsets = torch.arange(int(sizes[first + count - 1]), device=device)
         valid = offsets < counts[chunk, None]
         rows = by_group[torch.where(valid, starts[chunk, None] + offsets, 0)]

@@ -70,7 +70,8 @@ class LocalClients:
         clip = method.federation.feature_clip
         if clip > 0:  # each client bounds its own rows, so the noise's sensitivity holds by construction
             features = clip_features(features, clip)
-        self.data = Cohort(features, labels, client_ids, served, torch.arange(len(labels), device=labels.device), batch_size)
+        positions = torch.arange(len(labels), device=labels.device)
+        self.data = Cohort(features, labels, client_ids, served, positions, batch_size)
         counts = torch.bincount(client_ids, minlength=method.num_clients)
         self.ends = torch.cumsum(counts, 0)
         self.starts = self.ends - counts

@@ -86,13 +86,13 @@ def _schedule(client_ids: Tensor, clients: Tensor, *, epochs: int, batch_size: i
     mine = mine[torch.argsort(sample_slot[mine], stable=True)]  # by client, then by position
     counts = torch.bincount(sample_slot[mine], minlength=len(clients))
     first = torch.cumsum(counts, 0) - counts
-    counts_here = counts.tolist()
+    host_counts = counts.tolist()
     keys = torch.cat([torch.rand(epochs, count, generator=client_generator(seed, client), dtype=torch.float64)
-                      for client, count in zip(clients.tolist(), counts_here)], 1).to(device)
-    steps = torch.tensor([-(-count // batch_size) for count in counts_here])  # ceil(n_k / B) per client
+                      for client, count in zip(clients.tolist(), host_counts)], 1).to(device)
+    steps = torch.tensor([-(-count // batch_size) for count in host_counts])  # ceil(n_k / B) per client
     steps_per_epoch = int(steps.max())  # the busiest client's
     active = (steps[None, :] > torch.arange(steps_per_epoch)[:, None]).sum(1).tolist()  # clients with a batch
-    width = min(batch_size, max(counts_here))
+    width = min(batch_size, max(host_counts))
     for epoch in range(epochs):
         order = mine[torch.argsort(sample_slot[mine] + keys[epoch])]  # by client, then key
         rank = torch.arange(len(order), device=device) - first[sample_slot[order]]

@@ -95,11 +95,12 @@ class AnaPFLClient(AFLClient):
         self.lambdas, self.holdout_fraction = list(method.lambdas), method.holdout_fraction
         self.seed, self.local_seed = method.seed, method.local_seed  # the hold-out's and P_l's seeds
         self._projections: dict[tuple, Tensor] = {}
-        self._seed: int | None = None  # `main_seed` as read on the host
+        self._main_seed_host: int | None = None  # `main_seed` as read on the host
 
     def setup_state(self) -> None:
         device = self.served.device
         self.register_buffer("main_seed", torch.full((), -1, dtype=torch.int64, device=device))
+        self._main_seed_host = None
         self.register_buffer("global_weight", torch.zeros(self.hidden_dim, self.num_classes, dtype=self.stat_dtype,
                                                           device=device))
         self.register_buffer("refinement_scale", torch.zeros((), dtype=self.stat_dtype, device=device))
@@ -116,21 +117,21 @@ class AnaPFLClient(AFLClient):
 
     def main_features(self, features: Tensor) -> Tensor:
         """Hg = tanh(X P_g), P_g from the seed the server sent: (n, d) -> (n, h)."""
-        if self._seed is None:  # read once from the buffer (on the device), not once per chunk of rows
-            self._seed = int(self.main_seed)
-        if self._seed < 0:
+        if self._main_seed_host is None:  # read from the buffer (on the device) once, not once a chunk
+            self._main_seed_host = int(self.main_seed)
+        if self._main_seed_host < 0:
             raise RuntimeError("AnaPFL's client has not received the seed of P_g (round 0's broadcast)")
         x = features.flatten(1).to(self.stat_dtype)
-        return torch.tanh(x @ self._projection(self._seed, 0, x.device))
+        return torch.tanh(x @ self._projection(self._main_seed_host, 0, x.device))
 
     def _receive_seed(self, broadcast) -> None:
         if "seed" in broadcast:
-            self._seed = int(broadcast["seed"])
-            self.main_seed.fill_(self._seed)
+            self._main_seed_host = int(broadcast["seed"])
+            self.main_seed.fill_(self._main_seed_host)
 
     def _load_from_state_dict(self, *args, **kwargs) -> None:
         super()._load_from_state_dict(*args, **kwargs)
-        self._seed = None  # a restored `main_seed`: read it again
+        self._main_seed_host = None  # a restored `main_seed`: read it again
 
     def local_features(self, features: Tensor) -> Tensor:
         """Hl = tanh(X P_l), P_l from the clients' own seed: (n, d) -> (n, h)."""

@@ -97,6 +97,15 @@ class Cohort:
             yield replace(self, features=self.features[rows], labels=self.labels[rows],
                           client_ids=self.client_ids[rows], sample_index=self.sample_index[rows])
 
+    def holds_per_batch(self, *conditions: Tensor) -> list[tuple[bool, ...]]:
+        """For each chunk of `batches()`, whether each of `conditions` (one bool per row) holds on
+        all its rows: read from the device at once (one wait a call, not one a chunk)."""
+        if not len(self):
+            return []
+        table = torch.stack([torch.stack([part.all() for part in condition.split(self.batch_size)])
+                             for condition in conditions], 1)
+        return [tuple(row) for row in table.tolist()]
+
     def of(self, clients: Tensor) -> Cohort:
         """The sub-cohort of `clients` (sorted ids among this cohort's)."""
         rows = torch.isin(self.client_ids, clients)

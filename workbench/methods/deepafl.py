@@ -231,13 +231,6 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
             self.register_buffer("hidden_layer", torch.full((self.num_samples,), -1, dtype=torch.long,
                                                             device=device), persistent=False)
 
-    def _chunks_where(self, cohort: Cohort, condition: Tensor) -> list[bool]:
-        """For each chunk of `cohort.batches()`, whether `condition` (one bool per cohort row) holds
-        on all its rows: one read from the device a round, not one a chunk."""
-        if not len(condition):
-            return []
-        return torch.stack([part.all() for part in condition.split(cohort.batch_size)]).tolist()
-
     def _previous_features(self, part: Cohort, depth: int, kept: bool) -> Tensor:
         """Φ_depth of the rows: from the cache (`kept`: it holds them all), or rebuilt from the
         received Ω."""
@@ -266,11 +259,9 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
     def _fused_sources(self, cohort: Cohort, layer: int) -> list[tuple[bool, bool]]:
         """Per chunk, for `_fused_previous`: (Φ_{t−1} kept, Φ_{t−2} and F_{t−1} kept)."""
         rows, depth = cohort.sample_index.to(self.phi.device), layer - 1
-        kept = self._chunks_where(cohort, self.phi_depth[rows] == depth)
-        if depth < 1:
-            return [(k, False) for k in kept]
-        one_back = self._chunks_where(cohort, (self.phi_depth[rows] == depth - 1) & (self.hidden_layer[rows] == depth))
-        return list(zip(kept, one_back))
+        kept = self.phi_depth[rows] == depth
+        one_back = (self.phi_depth[rows] == depth - 1) & (self.hidden_layer[rows] == depth) & (depth >= 1)
+        return cohort.holds_per_batch(kept, one_back)
 
     def _fused_previous(self, part: Cohort, layer: int, sources: tuple[bool, bool]) -> Tensor:
         """Φ_{t−1} for round t = `layer` of the fused schedule: kept; or Φ_{t−2} + F_{t−1}Ω_{t−1} from
@@ -334,9 +325,9 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
         side = f if solves_omega else h
         gram = self.omega.new_zeros(side, side)
         cross = self.omega.new_zeros(side, classes)
-        kept = (itertools.repeat(False) if round_index == 0 else  # per chunk: Φ_{t−1} kept
-                self._chunks_where(cohort, self.phi_depth[cohort.sample_index.to(self.phi.device)] == layer - 1))
-        for part, part_kept in zip(cohort.batches(), kept):
+        kept = (itertools.repeat((False,)) if round_index == 0 else  # per chunk: Φ_{t−1} kept
+                cohort.holds_per_batch(self.phi_depth[cohort.sample_index.to(self.phi.device)] == layer - 1))
+        for part, (part_kept,) in zip(cohort.batches(), kept):
             if round_index == 0:
                 phi = self._keep(part.sample_index.to(self.phi.device), self.input_features(part.features), 0)
             else:

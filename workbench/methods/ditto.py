@@ -65,11 +65,14 @@ class DittoClient(FedAvgClient):
         dtype = self.initial.dtype
         logits = torch.zeros(len(features), self.num_classes, dtype=dtype, device=features.device)
         _, known = self.served_slots(client_ids)
-        clients = torch.unique(client_ids[known])
-        for client, personal in zip(clients.tolist(), self.personal.read(clients)):
-            mine = known & (client_ids == client)
-            params = {name: value[0] for name, value in self.flat.unflatten(personal[None]).items()}
-            logits[mine] = functional_call(self.net, params, (features[mine].to(dtype),))
+        ids = torch.where(known, client_ids, -1)
+        order = torch.argsort(ids, stable=True)  # the rows by client, those of no served client (−1) first
+        clients, sizes = torch.unique_consecutive(ids[order], return_counts=True)
+        personal = iter(self.personal.read(clients[clients >= 0]))
+        for client, rows in zip(clients.tolist(), order.split(sizes.tolist())):  # (read once, not per client)
+            if client >= 0:
+                params = {name: value[0] for name, value in self.flat.unflatten(next(personal)[None]).items()}
+                logits[rows] = functional_call(self.net, params, (features[rows].to(dtype),))
         return logits
 
 
