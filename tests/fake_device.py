@@ -8,13 +8,15 @@ CPU, and behave as a GPU's tensors where device-agnostic code goes wrong:
 
 - an operation that mixes a device tensor with a host tensor of one or more dimensions fails with
   CUDA's error (0-dim host tensors mix, as on CUDA; host index tensors are copied over, recorded);
-- every copy between host and device is recorded (`.to`, `.cpu()`, `copy_`, `.tolist()`, host
-  indices);
+- every copy between host and device is recorded (`.to`, `.cpu()`, `copy_`, `torch.tensor(...,
+  device=)`, `.tolist()`, host index tensors);
 - every operation that makes the host wait for the device is recorded as a sync: reading values
-  (`item()`, `int(t)`, `bool(t)`, `tolist()`, a blocking copy to the host), and operations whose output
-  size depends on values (`nonzero`, boolean masks, `unique`, `bincount`, ...) or that check
-  values on the host (Cholesky's and solve's error checks, `equal`);
-- `numpy()` of a device tensor fails, as on CUDA.
+  (`item()`, `int(t)`, `bool(t)`, `tolist()`, any copy to the host), a blocking copy to the device
+  (CUDA synchronizes the stream after it; one marked `non_blocking` counts as asynchronous, as it is
+  from page-locked memory), and operations whose output size depends on values (`nonzero`, boolean
+  masks, `unique`, `bincount`, ...) or that check values on the host (Cholesky's and solve's error
+  checks, `equal`);
+- `numpy()` of a device tensor fails, and so does a host generator drawing on the device, as on CUDA.
 
 Each event keeps the workbench line that caused it, so a failing test says where the round trip is.
 """
@@ -36,7 +38,7 @@ HOST = torch.device("cpu")
 # operations after which a CUDA stream's host waits for the device (an output size, or an error
 # check, that depends on values)
 SYNC_OPS = {
-    "_local_scalar_dense", "nonzero", "nonzero_static", "masked_select", "_unique", "_unique2", "unique_dim",
+    "_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2", "unique_dim",
     "unique_consecutive", "bincount", "equal", "_linalg_check_errors", "masked_scatter_", "repeat_interleave",
     "histc", "argwhere",
 }
@@ -121,14 +123,15 @@ class DeviceTensor(torch.Tensor):
             if name not in INDEX_OPS:
                 raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two "
                                    f"devices, {DEVICE} and cpu! (in {func}, at {_where()})")
-            for tensor in host:  # index tensors on the host are copied over
+            for tensor in host:  # index tensors on the host are copied over, blocking
                 _copy("to_device", tensor)
+                _sync("index on the host")
         if name in SYNC_OPS or (name in INDEX_OPS and any(t.dtype == torch.bool for t in _tensors(args[1:]))):
             _sync(name)
         if name in ("_to_copy", "to") and not _on_device(_argument(func, args, kwargs, "device", DEVICE)):  # to the host
             _copy("to_host", args[0])
             _sync("to_host")
-            return func(args[0].data_on_host, **kwargs)
+            return func(*tree_map(_unwrap, args), **kwargs)
         kwargs["device"] = HOST if _on_device(kwargs.get("device")) else kwargs.get("device")
         kwargs = {key: value for key, value in kwargs.items() if value is not None}
         out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
@@ -141,7 +144,7 @@ def _copy_across(target: torch.Tensor, source: torch.Tensor, non_blocking: bool 
     """`target.copy_(source)` between host and device; a blocking copy to the host is a sync."""
     to_host = isinstance(source, DeviceTensor)
     _copy("to_host" if to_host else "to_device", source)
-    if to_host and not non_blocking:
+    if to_host or not non_blocking:
         _sync("copy_")
     _unwrap(target).copy_(_unwrap(source))
     return target
@@ -177,9 +180,15 @@ class _Placement(TorchDispatchMode):
         kwargs = dict(kwargs or {})
         if not _on_device(kwargs.get("device")) or any(isinstance(t, DeviceTensor) for t in _tensors(args)):
             return func(*args, **kwargs)
+        generator = kwargs.get("generator")
+        if generator is not None and generator.device.type != DEVICE.type:
+            raise RuntimeError(f"Expected a '{DEVICE.type}' device type for generator but found "
+                               f"'{generator.device.type}' (at {_where()})")
         kwargs["device"] = HOST
         if func._schema.name in ("aten::_to_copy", "aten::to"):  # (`to` itself under inference_mode)
             _copy("to_device", args[0])
+            if not _argument(func, args, kwargs, "non_blocking", False):
+                _sync("to_device")
         return DeviceTensor(func(*args, **kwargs))
 
 
@@ -192,10 +201,14 @@ class _HostData(TorchFunctionMode):
         if name == "new_tensor" and isinstance(args[0], DeviceTensor):
             kwargs.setdefault("dtype", args[0].dtype)
             func, args, kwargs["device"] = torch.tensor, args[1:], DEVICE
-        if name in ("tensor", "as_tensor", "new_tensor") and _on_device(kwargs.get("device")):
+        if name == "as_tensor" and isinstance(args[0], DeviceTensor) and _on_device(kwargs.get("device", DEVICE)):
+            return args[0] if kwargs.get("dtype") in (None, args[0].dtype) else args[0].to(kwargs["dtype"])
+        made_from_host_data = args and not isinstance(args[0], torch.Tensor)
+        if name in ("tensor", "as_tensor", "new_tensor") and _on_device(kwargs.get("device")) and made_from_host_data:
             kwargs["device"] = HOST
             data = func(*args, **kwargs)
             _copy("to_device", data)
+            _sync(name)  # a blocking copy from pageable memory
             return DeviceTensor(data)
         if name == "tolist" and isinstance(args[0], DeviceTensor):
             _copy("to_host", args[0])
