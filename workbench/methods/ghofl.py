@@ -138,9 +138,8 @@ class GHOFLClient(ClientHalf):
             uploads["second_moment"] = zeros.new_zeros(side, side)
         if self.sends_square_sums:
             uploads["class_square_sums"] = zeros.new_zeros(num_classes, side)
-        chunk = torch.arange(len(cohort), device=cohort.labels.device) // cohort.batch_size
-        counts = counts_of(chunk * num_classes + cohort.labels, num_classes * int(-(-len(cohort) // cohort.batch_size)))
-        counts = counts.view(-1, num_classes)  # (chunks, C)
+        counts = torch.stack([counts_of(labels, num_classes)  # (chunks, C): the chunks of `batches()`
+                              for labels in cohort.labels.split(cohort.batch_size)])
         uploads["class_counts"] += counts.sum(0)
         # the class sizes of every chunk, read once: splitting a chunk by class needs them on the host
         sizes = counts.tolist() if self.sends_class_second_moments else None
