@@ -1,0 +1,37 @@
+"""How often each method's rounds make the host wait for the device, on the recording stand-in
+device of tests/fake_device.py (no GPU needed): per round, on the conformance matrix's data and on
+a larger run (twice the clients, four times the chunks of rows, four times the local steps).
+
+A round that waits a fixed number of times gives the same numbers on both; a read per client,
+chunk or step grows with the run. Prints a table; no file written.
+
+    python benchmarks/device_syncs.py
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.conformance import METHODS, data
+from tests.fake_device import DEVICE, fake_device
+from tests.test_device import GRADIENT, fit
+
+
+def main() -> list[str]:
+    small, larger = data(num_clients=3), data(num_clients=6)
+    larger.hparams.batch_size = 16
+    lines = ["| method | waits a round | the larger run's |", "|---|---|---|"]
+    for name in sorted(METHODS):
+        with fake_device() as record:
+            *_, rounds = fit(name, small, DEVICE, record)
+            *_, larger_rounds = fit(name, larger, DEVICE, record, local_epochs=4 if name in GRADIENT else None)
+        counts = [", ".join(str(len(r.syncs)) for r in run[:-1]) or "–" for run in (rounds, larger_rounds)]
+        lines.append(f"| {name} | {counts[0]} | {counts[1]} |")
+    print("\n".join(lines))
+    return lines
+
+
+if __name__ == "__main__":
+    main()
