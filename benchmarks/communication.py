@@ -34,7 +34,10 @@ from lightning import Callback, Trainer  # noqa: E402
 
 from workbench.data import FederatedDataModule, SyntheticBlobs  # noqa: E402
 from workbench.engines import LightningEngine  # noqa: E402
+from workbench.federation.compression import Compression, ErrorFeedback  # noqa: E402
+from workbench.federation.local_training import LocalTraining  # noqa: E402
 from workbench.methods import OSFED, SCAFFOLD, FedAvg, FedProx  # noqa: E402
+from workbench.methods.osfed import Snapshot  # noqa: E402
 
 
 class RoundLog(Callback):
@@ -186,55 +189,29 @@ def main() -> None:
     start = time.perf_counter()
 
     def feature_methods() -> dict[str, object]:
-        common = dict(
-            num_rounds=args.rounds,
-            architecture="mlp",
-            hidden_dim=args.hidden_dim,
-            lr=args.lr,
-            local_batch_size=args.batch_size,
-            local_epochs=1,
-            seed=0,
-        )
+        common = dict(num_rounds=args.rounds, architecture="mlp", hidden_dim=args.hidden_dim, seed=0, local=LocalTraining(lr=args.lr, batch_size=args.batch_size, epochs=1))
         return {
             "FedAvg": FedAvg(**common),
             f"FedProx (μ={args.mu:g})": FedProx(mu=args.mu, **common),
             "SCAFFOLD": SCAFFOLD(**common),
-            f"top-k {100 * args.topk_fraction:g}% + EF": FedAvg(
-                compression="topk", topk_fraction=args.topk_fraction, **common
-            ),
-            "8-bit + EF": FedAvg(compression="quantize", quantize_bits=8, **common),
-            "4-bit + EF": FedAvg(compression="quantize", quantize_bits=4, **common),
-            "OS-FED M=2": OSFED(grid_size=2, lbfgs_steps=args.lbfgs_steps, **common),
-            "OS-FED M=4": OSFED(grid_size=4, lbfgs_steps=args.lbfgs_steps, **common),
-            "OS-FED M=2, no EF": OSFED(
-                grid_size=2, lbfgs_steps=args.lbfgs_steps, error_feedback=False, **common
-            ),
-            "OS-FED M=4, no EF": OSFED(
-                grid_size=4, lbfgs_steps=args.lbfgs_steps, error_feedback=False, **common
-            ),
+            f"top-k {100 * args.topk_fraction:g}% + EF": FedAvg(**common, compression=Compression(kind="topk", topk_fraction=args.topk_fraction)),
+            "8-bit + EF": FedAvg(**common, compression=Compression(kind="quantize", quantize_bits=8)),
+            "4-bit + EF": FedAvg(**common, compression=Compression(kind="quantize", quantize_bits=4)),
+            "OS-FED M=2": OSFED(**common, snapshot=Snapshot(grid_size=2, lbfgs_steps=args.lbfgs_steps)),
+            "OS-FED M=4": OSFED(**common, snapshot=Snapshot(grid_size=4, lbfgs_steps=args.lbfgs_steps)),
+            "OS-FED M=2, no EF": OSFED(**common, snapshot=Snapshot(grid_size=2, lbfgs_steps=args.lbfgs_steps), error_feedback=ErrorFeedback(enabled=False)),
+            "OS-FED M=4, no EF": OSFED(**common, snapshot=Snapshot(grid_size=4, lbfgs_steps=args.lbfgs_steps), error_feedback=ErrorFeedback(enabled=False)),
         }
 
     def cnn_methods() -> dict[str, object]:
-        common = dict(
-            num_rounds=args.cnn_rounds,
-            architecture="cnn",
-            lr=args.lr,
-            local_batch_size=32,
-            local_epochs=1,
-            seed=0,
-        )
+        common = dict(num_rounds=args.cnn_rounds, architecture="cnn", seed=0, local=LocalTraining(lr=args.lr, batch_size=32, epochs=1))
         return {
             "FedAvg": FedAvg(**common),
             "SCAFFOLD": SCAFFOLD(**common),
-            f"top-k {100 * args.topk_fraction:g}% + EF": FedAvg(
-                compression="topk", topk_fraction=args.topk_fraction, **common
-            ),
-            "4-bit + EF": FedAvg(compression="quantize", quantize_bits=4, **common),
-            "OS-FED M=2 (28×28 map)": OSFED(grid_size=2, snapshot_resolution=28, lbfgs_steps=args.lbfgs_steps,
-                                            **common),
-            "OS-FED M=2 (28×28 map), no EF": OSFED(
-                grid_size=2, snapshot_resolution=28, lbfgs_steps=args.lbfgs_steps, error_feedback=False, **common
-            ),
+            f"top-k {100 * args.topk_fraction:g}% + EF": FedAvg(**common, compression=Compression(kind="topk", topk_fraction=args.topk_fraction)),
+            "4-bit + EF": FedAvg(**common, compression=Compression(kind="quantize", quantize_bits=4)),
+            "OS-FED M=2 (28×28 map)": OSFED(**common, snapshot=Snapshot(grid_size=2, resolution=28, lbfgs_steps=args.lbfgs_steps)),
+            "OS-FED M=2 (28×28 map), no EF": OSFED(**common, snapshot=Snapshot(grid_size=2, resolution=28, lbfgs_steps=args.lbfgs_steps), error_feedback=ErrorFeedback(enabled=False)),
         }
 
     parts = {

@@ -38,9 +38,10 @@ from benchmarks.common import load_average, machine_line, write_report  # noqa: 
 from benchmarks.communication import markdown, run  # noqa: E402
 
 from workbench.data import FederatedDataModule  # noqa: E402
-from workbench.federation.compression import FLOAT_BYTES, index_bytes  # noqa: E402
-from workbench.federation.local_training import scheduled_lr  # noqa: E402
+from workbench.federation.compression import FLOAT_BYTES, Compression, ErrorFeedback, index_bytes  # noqa: E402
+from workbench.federation.local_training import LocalTraining, scheduled_lr  # noqa: E402
 from workbench.methods import OSFED, FedAvg  # noqa: E402
+from workbench.methods.osfed import Snapshot  # noqa: E402
 
 DIAGNOSTICS = {  # column: logged metric
     "match loss (EF target)": "osfed/match_loss",
@@ -82,9 +83,8 @@ def osfed_main(argv: list[str]) -> None:
     datamodule = FederatedDataModule(dataset="mnist5k", inputs="images", num_clients=10, partition="dirichlet",
                                      alpha=0.5, seed=0)
     datamodule.setup()
-    common = dict(num_rounds=args.rounds, architecture="cnn", local_epochs=args.local_epochs, lr=args.lr,
-                  lr_schedule="cosine", local_batch_size=args.batch_size, seed=0)
-    osfed = dict(grid_size=2, lbfgs_steps=args.lbfgs_steps, diagnostics=True, **common)
+    common = dict(num_rounds=args.rounds, architecture="cnn", seed=0, local=LocalTraining(epochs=args.local_epochs, lr=args.lr, lr_schedule="cosine", batch_size=args.batch_size))
+    osfed = dict(snapshot=Snapshot(grid_size=2, lbfgs_steps=args.lbfgs_steps), diagnostics=True, **common)
     out = Path(args.out)
     runs: dict[str, list[dict[str, float]]] = {}
 
@@ -100,12 +100,11 @@ def osfed_main(argv: list[str]) -> None:
     params = round(runs["FedAvg"][-1]["bytes_per_client"] / FLOAT_BYTES)
     snapshot_bytes = runs[PAPER_OSFED][-1]["bytes_per_client"]
     k = max(1, math.floor(snapshot_bytes / (FLOAT_BYTES + index_bytes(params))))  # top-k at ≤ OS-FED's bytes
-    record(f"top-k {100 * k / params:.1f}% + EF", FedAvg(compression="topk", topk_fraction=(k - 0.5) / params,
-                                                         **common))
-    record("4-bit + EF", FedAvg(compression="quantize", quantize_bits=4, **common))
-    record("OS-FED M=2, EF bounded ‖e‖ ≤ ‖Δw‖", OSFED(error_feedback_bound=1.0, **osfed))
-    record("OS-FED M=2, no EF", OSFED(error_feedback=False, **osfed))
-    record("scaled sign + EF", FedAvg(compression="sign", **common))
+    record(f"top-k {100 * k / params:.1f}% + EF", FedAvg(**common, compression=Compression(kind="topk", topk_fraction=(k - 0.5) / params)))
+    record("4-bit + EF", FedAvg(**common, compression=Compression(kind="quantize", quantize_bits=4)))
+    record("OS-FED M=2, EF bounded ‖e‖ ≤ ‖Δw‖", OSFED(**osfed, error_feedback=ErrorFeedback(bound=1.0)))
+    record("OS-FED M=2, no EF", OSFED(**osfed, error_feedback=ErrorFeedback(enabled=False)))
+    record("scaled sign + EF", FedAvg(**common, compression=Compression(kind="sign")))
 
 
 def rerender(args) -> None:

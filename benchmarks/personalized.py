@@ -47,6 +47,7 @@ from lightning import Trainer
 
 from workbench.data import FederatedDataModule
 from workbench.engines import LightningEngine
+from workbench.federation.local_training import LocalTraining
 from workbench.methods import AFL, AnaPFL, Ditto, LocalOnly
 
 # The methods compared: name -> a fresh model. A new baseline is one more line here (its rows
@@ -57,8 +58,7 @@ METHODS = {
     "AnaPFL": lambda: AnaPFL(hidden_dim=1024, gamma=1e-2, gamma_out=1e-2, beta=1.0),
     "AFL": lambda: AFL(gamma=1.0, gamma_out=1.0),
     "Local-only": lambda: LocalOnly(gamma=1.0),
-    "Ditto": lambda: Ditto(lam=0.1, num_rounds=20, architecture="mlp", hidden_dim=64, lr=0.05,
-                           local_batch_size=64),
+    "Ditto": lambda: Ditto(lam=0.1, num_rounds=20, architecture="mlp", hidden_dim=64, local=LocalTraining(lr=0.05, batch_size=64)),
 }
 
 

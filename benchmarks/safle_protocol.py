@@ -37,9 +37,11 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import load_average, machine_line, write_report
-from workbench.federation import codec
+from workbench.engines.local import LocalClients
+from workbench.engines.round import FitProtocol, run_round
+from workbench.federation import Federation
 from workbench.methods import AFL, SAFLe
-from workbench.methods.base import Cohort, Problem
+from workbench.methods.base import Problem
 
 PAPER = dict(bucketing="binary_overlap", levels=8, group_size=5, gamma=1.0, solver="cg")
 
@@ -94,23 +96,18 @@ def accuracy(method, features: torch.Tensor, labels: torch.Tensor) -> float:
 
 
 def fit(method, x, y, ids, num_clients: int, num_classes: int) -> dict:
-    """Every round of `method` on the clients' data (one vectorized client half, as the in-process
-    engine runs them): bytes up per client as the engine counts them, rounds, seconds, metrics."""
+    """Every round of `method` on the clients' data (the engine's round, one vectorized client half
+    as in process): bytes up per client as the engine counts them, rounds, seconds, metrics."""
     method.setup(Problem((x.shape[1],), num_classes, num_clients))
-    clients = torch.unique(ids)
-    half = method.client_half()
-    half.setup_clients(clients, len(y))
-    cohort = Cohort(x, y, ids, clients, torch.arange(len(y)), batch_size=8192)
+    served = torch.unique(ids)
+    clients = LocalClients(method, x, y, ids, served, batch_size=8192)
+    protocol = FitProtocol.start(method, Federation(), len(served))
     bytes_up, metrics, start = 0, {}, time.perf_counter()
     with torch.no_grad():
         while method.rounds_left:
-            broadcast = method.plan_round(clients).broadcast
-            uploads, _ = half.client_update(method.round, broadcast, cohort)
-            per_client = method.upload_bytes_per_client(uploads)
-            bytes_up += (per_client if per_client is not None else codec.upload_bytes(uploads, method.uploads)) \
-                * len(clients)
-            metrics.update(method.server_update(uploads, len(clients)))
-            method.rounds_done += 1
+            result = run_round(method, clients, protocol, served)
+            bytes_up += result.bytes_up
+            metrics.update(result.metrics)
     return {"fit_s": time.perf_counter() - start, "rounds": method.round,
             "mb_up_per_client": bytes_up / num_clients / 1e6, **metrics}
 

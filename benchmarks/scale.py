@@ -122,7 +122,7 @@ def part_speed(args) -> list[str]:
             rounds.append(engine.fit_metrics["time/client_s"] + engine.fit_metrics["time/server_s"])
         net = method.build_net(engine.method.problem)
         x, y, ids = dm.train_features, dm.train_labels, dm.train_client_ids
-        options = dict(epochs=1, lr=method.lr, batch_size=method.local_batch_size, seed=0)
+        options = dict(epochs=1, lr=method.local.lr, batch_size=method.local.batch_size, seed=0)
 
         def timed(fn) -> float:
             start = time.perf_counter()

@@ -41,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import fit_engine, load_average, machine_line, write_report
 from workbench.data import FederatedDataModule
+from workbench.federation.compression import Compression, ErrorFeedback
+from workbench.federation.local_training import LocalTraining
 from workbench.methods import (
     AFL,
     GHOFL,
@@ -54,6 +56,7 @@ from workbench.methods import (
     LocalOnly,
     SAFLe,
 )
+from workbench.methods.osfed import Snapshot
 
 DATA = {"dataset": "fashion_mnist", "backbone": "efficientnet_lite0", "input_size": 64,
         "num_clients": 100, "partition": "dirichlet", "alpha": 0.1, "seed": 0}
@@ -62,8 +65,8 @@ DATA = {"dataset": "fashion_mnist", "backbone": "efficientnet_lite0", "input_siz
 GLOBAL_DATA = {"batch_size": 20000}
 PERSONALIZED_DATA = {"personalized": True, "local_test_fraction": 0.25}  # configs/anapfl_fashion.yaml
 # The MLP head and local SGD of configs/{fedavg,fedprox,scaffold,osfed,ditto}_fashion.yaml
-MLP = {"architecture": "mlp", "hidden_dim": 64, "local_epochs": 1, "lr": 0.05,
-       "local_batch_size": 64, "sample_fraction": 1.0, "seed": 0}
+MLP = {"architecture": "mlp", "hidden_dim": 64, "local": LocalTraining(epochs=1, lr=0.05, batch_size=64),
+       "sample_fraction": 1.0, "seed": 0}
 GH_HEADS = ["nb_diag", "lda", "qda", "fishermix", "proto_hyper", "fedcgs"]  # configs/ghofl_fashion.yaml
 
 # (name, protocol, setting shown in the table, factory(args) -> a fresh method)
@@ -79,18 +82,17 @@ METHODS = [
     ("GH-OFL", "global", "all six heads, shrinkage 0.05, no sketch, FisherMix / Proto-Hyper defaults",
      lambda a: GHOFL(heads=GH_HEADS, primary_head="lda", shrinkage=0.05, sketch_dim=None)),
     ("FedAvg", "global", "MLP 64, 1 epoch, lr 0.05, B 64; {rounds} rounds",
-     lambda a: FedAvg(num_rounds=a.rounds, compression="none", **MLP)),
+     lambda a: FedAvg(num_rounds=a.rounds, **MLP, compression=Compression(kind="none"))),
     ("FedAvg top-k", "global", "top-k 1% + EF; {rounds} rounds",
-     lambda a: FedAvg(num_rounds=a.rounds, compression="topk", topk_fraction=0.01, **MLP)),
+     lambda a: FedAvg(num_rounds=a.rounds, **MLP, compression=Compression(kind="topk", topk_fraction=0.01))),
     ("FedAvg quantize", "global", "8-bit + EF; {rounds} rounds",
-     lambda a: FedAvg(num_rounds=a.rounds, compression="quantize", quantize_bits=8, **MLP)),
+     lambda a: FedAvg(num_rounds=a.rounds, **MLP, compression=Compression(kind="quantize", quantize_bits=8))),
     ("FedProx", "global", "μ = 0.01; {rounds} rounds",
      lambda a: FedProx(mu=0.01, num_rounds=a.rounds, **MLP)),
     ("SCAFFOLD", "global", "option II, η_g = 1; {rounds} rounds",
      lambda a: SCAFFOLD(num_rounds=a.rounds, server_lr=1.0, **MLP)),
     ("OS-FED", "global", "2×2 grid, 30 L-BFGS steps, EF; {rounds} rounds",
-     lambda a: OSFED(num_rounds=a.rounds, grid_size=2, lbfgs_steps=30, lbfgs_history=10, error_feedback=True,
-                     **MLP)),
+     lambda a: OSFED(num_rounds=a.rounds, **MLP, snapshot=Snapshot(grid_size=2, lbfgs_steps=30, lbfgs_history=10), error_feedback=ErrorFeedback(enabled=True))),
     ("AnaPFL", "personalized", "h = 1024, γ = γ_out = 0.01, β = 1, λ on a 10% hold-out",
      lambda a: AnaPFL(hidden_dim=1024, gamma=1e-2, gamma_out=1e-2, beta=1.0, holdout_fraction=0.1, seed=0,
                       local_seed=1)),

@@ -16,11 +16,26 @@ import torch
 
 from workbench.data import FederatedDataModule, SyntheticBlobs
 from workbench.federation import Federation
-from workbench.methods import (AFL, GHOFL, OSFED, SCAFFOLD, AnaPFL, DeepAFL, Ditto, FedAvg, FedProx, LocalOnly,
-                               SAFLe)
+from workbench.federation.compression import Compression
+from workbench.federation.local_training import LocalTraining
+from workbench.methods import (
+    AFL,
+    GHOFL,
+    OSFED,
+    SCAFFOLD,
+    AnaPFL,
+    DeepAFL,
+    Ditto,
+    FedAvg,
+    FedAvgM,
+    FedProx,
+    LocalOnly,
+    SAFLe,
+)
+from workbench.methods.osfed import Snapshot
 
 BLOBS = SyntheticBlobs(num_classes=4, dim=8, train_size=480, test_size=120, seed=7)
-GRADIENT = dict(num_rounds=3, architecture="mlp", hidden_dim=8, lr=0.1, local_batch_size=16, seed=3)
+GRADIENT = dict(num_rounds=3, architecture="mlp", hidden_dim=8, seed=3, local=LocalTraining(lr=0.1, batch_size=16))
 
 # name -> (a fresh method, tolerance of its final model)
 METHODS = {
@@ -31,12 +46,13 @@ METHODS = {
     "GHOFL": (lambda: GHOFL(heads=["nb_diag", "lda", "qda", "fedcgs"]), 1e-8),
     "AnaPFL": (lambda: AnaPFL(hidden_dim=16, lambdas=[0.0, 0.5, 1.0]), 1e-8),
     "LocalOnly": (lambda: LocalOnly(), 1e-8),
-    "FedAvg": (lambda: FedAvg(sample_fraction=0.67, compression="topk", topk_fraction=0.3, **GRADIENT), 1e-6),
+    "FedAvg": (lambda: FedAvg(sample_fraction=0.67, **GRADIENT, compression=Compression(kind="topk", topk_fraction=0.3)), 1e-6),
     "FedProx": (lambda: FedProx(mu=0.5, **GRADIENT), 1e-6),
+    "FedAvgM": (lambda: FedAvgM(server_momentum=0.9, server_lr=0.5, **GRADIENT), 1e-6),
     "Ditto": (lambda: Ditto(lam=0.5, **GRADIENT), 1e-6),
     # float32 L-BFGS line searches amplify the last-bit differences of batched and one-client
     # arithmetic: measured 1.05e-6 after 3 rounds
-    "OSFED": (lambda: OSFED(grid_size=1, lbfgs_steps=3, **GRADIENT), 1e-5),
+    "OSFED": (lambda: OSFED(**GRADIENT, snapshot=Snapshot(grid_size=1, lbfgs_steps=3)), 1e-5),
     "SCAFFOLD": (lambda: SCAFFOLD(sample_fraction=0.67, **GRADIENT), 1e-6),
 }
 # the protocol's parts each method supports (secure aggregation and noise need summed uploads)

@@ -184,8 +184,7 @@ def test_one_cohort_call_equals_each_client_alone(batch_size):
         assert together.keys() == summed.keys()
         for name in together:
             assert relative_error(together[name], summed[name]) <= 1e-12
-        method.server_update(together, len(clients.served))
-        method.rounds_done += 1
+        method.finish_round(together, len(clients.served))
     final = method.final_broadcast()
     clients.half.finish(final, clients.data)
     for cohort in cohorts:

@@ -8,8 +8,9 @@ import torch
 
 from workbench.data import FederatedDataModule, SyntheticBlobs
 from workbench.federation import Federation
+from workbench.federation.client_step import client_step
+from workbench.federation.local_training import LocalTraining
 from workbench.federation.privacy import (
-    CLIP_NORM,
     WITHIN_CLIP,
     ClientLevelDP,
     gaussian_epsilon,
@@ -83,26 +84,26 @@ def test_composed_noisy_statistics_equal_the_pld_accountants_epsilon():
 
 # ---- clipping ------------------------------------------------------------------------------------
 def client_updates(method, clip: float, num_clients: int = 6) -> tuple[dict, list[dict]]:
-    """One round of fresh client halves under a broadcast clip norm: the cohort's uploads and each
-    client's alone (fresh halves: SCAFFOLD's clients keep state)."""
+    """One round of the protocol's client step on fresh client halves under the clip norm: the
+    cohort's uploads and each client's alone (fresh halves: SCAFFOLD's clients keep state)."""
     from workbench.methods.base import Problem
 
     dm = data(num_clients)
     method.setup(Problem((BLOBS.dim,), BLOBS.num_classes, num_clients))
     cohort = Cohort(dm.train_features, dm.train_labels, dm.train_client_ids, torch.arange(num_clients),
                     torch.arange(len(dm.train_labels)))
-    broadcast = {"seed": torch.tensor(0), CLIP_NORM: torch.tensor(clip, dtype=torch.float64)}
+    broadcast = {"seed": torch.tensor(0)}
 
     def update(part: Cohort) -> dict:
         half = method.client_half()
         half.setup_clients(torch.arange(num_clients), len(dm.train_labels))
-        return half.client_update(0, broadcast, part)[0]
+        return client_step(half, method.uploads, 0, broadcast, part, clip_norm=clip).uploads
 
     return update(cohort), [update(cohort.of(torch.tensor([k]))) for k in range(num_clients)]
 
 
-@pytest.mark.parametrize("method", [FedAvg(architecture="linear", lr=0.5), FedProx(architecture="linear", lr=0.5),
-                                    SCAFFOLD(architecture="linear", lr=0.5)], ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("method", [FedAvg(architecture="linear", local=LocalTraining(lr=0.5)), FedProx(architecture="linear", local=LocalTraining(lr=0.5)),
+                                    SCAFFOLD(architecture="linear", local=LocalTraining(lr=0.5))], ids=lambda m: type(m).__name__)
 def test_clipping_bounds_every_clients_contribution(method):
     clip = 0.05  # far below these updates' norms: every client is clipped
     together, alone = client_updates(method, clip)
@@ -133,7 +134,7 @@ def test_a_dp_fit_moves_the_model_by_the_clipped_mean_plus_its_noise(fit_method)
     dm = data()
     runs = {}
     for z in (0.0, 3.0):
-        method = FedAvg(num_rounds=1, architecture="mlp", hidden_dim=64, lr=0.1)
+        method = FedAvg(num_rounds=1, architecture="mlp", hidden_dim=64, local=LocalTraining(lr=0.1))
         engine = fit_method(method, dm, Federation(dp_clip=0.2, dp_noise_multiplier=z, seed=5))
         runs[z] = (method.flat_parameters().double(), engine.fit_metrics)
     difference = runs[3.0][0] - runs[0.0][0]  # the noise / m, alone
@@ -155,7 +156,7 @@ def test_adaptive_clipping_steps_geometrically_towards_the_quantile():
 
 def test_adaptive_clipping_in_a_fit_finds_the_median_update_norm(fit_method):
     dm = data()
-    method = FedAvg(num_rounds=30, architecture="linear", lr=0.2)
+    method = FedAvg(num_rounds=30, architecture="linear", local=LocalTraining(lr=0.2))
     engine = fit_method(method, dm, Federation(dp_clip=100.0, dp_clip_quantile=0.5, dp_clip_lr=1.0,
                                                dp_count_stddev=1e-6))
     metrics = engine.fit_metrics  # the last round's: from C = 100 (every client within) to the median

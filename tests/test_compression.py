@@ -7,16 +7,17 @@ import math
 import pytest
 import torch
 
-from workbench.methods import FedAvg
 from workbench.federation.compression import (
+    Compression,
     Dense,
     ErrorFeedback,
+    Residuals,
     Quantize,
     ScaledSign,
     TopK,
-    build_compressor,
     index_bytes,
 )
+from workbench.methods import FedAvg
 
 SIZES = [300, 20, 50, 5]  # numel of each parameter tensor, P = 375
 
@@ -75,7 +76,7 @@ def test_quantization_is_exact_on_values_already_on_the_grid():
 def test_quantization_bytes_are_packed_codes_plus_two_float32_scales_per_tensor(bits):
     expected = sum(math.ceil(n * bits / 8) + 8 for n in SIZES)
     assert Quantize(SIZES, bits).bytes_per_client() == expected
-    assert build_compressor("quantize", SIZES, quantize_bits=bits).bytes_per_client() == expected
+    assert Compression("quantize", quantize_bits=bits).build(SIZES).bytes_per_client() == expected
 
 
 def test_dense_sends_float32_updates():
@@ -85,7 +86,7 @@ def test_dense_sends_float32_updates():
 
 
 def test_error_feedback_carries_exactly_what_was_lost_and_loses_nothing_over_rounds():
-    feedback = ErrorFeedback(numel=375)
+    feedback = Residuals(numel=375)
     everyone = torch.arange(6)
     compressor = TopK(SIZES, 0.05)
     clients = [torch.tensor([0, 2, 5]), torch.tensor([2, 3]), torch.tensor([0, 2, 5])]
@@ -114,7 +115,7 @@ def test_bad_compressor_settings_are_rejected():
     with pytest.raises(ValueError, match="bits"):
         Quantize(SIZES, 0)
     with pytest.raises(ValueError, match="compression"):
-        build_compressor("zip", SIZES)
+        Compression("zip").build(SIZES)
 
 
 def draws(seed: int = 0) -> torch.Tensor:
@@ -175,9 +176,9 @@ def test_few_bit_min_max_is_not_contractive_and_four_bit_is_not_for_every_x():
     for bits in (1, 2, 3):
         assert (((Quantize(SIZES, bits)(x) - x) ** 2).sum(1) > (x**2).sum(1)).any()
         with pytest.raises(ValueError, match="quantize_symmetric"):
-            FedAvg(compression="quantize", quantize_bits=bits)
-    FedAvg(compression="quantize", quantize_bits=2, error_feedback=False)  # without EF: allowed
-    FedAvg(compression="quantize", quantize_bits=2, quantize_symmetric=True)
+            FedAvg(compression=Compression(kind="quantize", quantize_bits=bits))
+    FedAvg(compression=Compression(kind="quantize", quantize_bits=2), error_feedback=ErrorFeedback(enabled=False))  # without EF: allowed
+    FedAvg(compression=Compression(kind="quantize", quantize_bits=2, quantize_symmetric=True))
     worst = torch.zeros(1, 2000, dtype=torch.float64)
     worst[0, :2] = torch.tensor([1.0, -1.0])
     assert ((Quantize([2000], 4)(worst) - worst) ** 2).sum() > (worst**2).sum()
@@ -187,8 +188,8 @@ def test_error_feedback_of_a_contractive_compressor_stays_within_its_bound_and_a
     """Scaled sign: ‖e‖ ≤ √(1−δ)/(1 − √(1−δ)) · max ‖x‖. 1-bit min-max: the plain residual grows,
     the bounded one stays ≤ c‖x‖, the decayed one stays within a few ‖x‖."""
     sizes = [64]
-    plain = {"sign": ErrorFeedback(64), "1-bit": ErrorFeedback(64),
-             "1-bit bounded": ErrorFeedback(64, bound=0.5), "1-bit decayed": ErrorFeedback(64, decay=0.5)}
+    plain = {"sign": Residuals(64), "1-bit": Residuals(64),
+             "1-bit bounded": Residuals(64, bound=0.5), "1-bit decayed": Residuals(64, decay=0.5)}
     plain = {name: feedback.double() for name, feedback in plain.items()}
     compress = {"sign": ScaledSign(sizes), "1-bit": Quantize(sizes, 1), "1-bit bounded": Quantize(sizes, 1),
                 "1-bit decayed": Quantize(sizes, 1)}
@@ -210,11 +211,11 @@ def test_error_feedback_of_a_contractive_compressor_stays_within_its_bound_and_a
 
 
 def test_a_bound_needs_the_fresh_update_and_bad_guards_are_rejected():
-    feedback = ErrorFeedback(375, bound=1.0)
+    feedback = Residuals(375, bound=1.0)
     x = updates(1)
     with pytest.raises(ValueError, match="fresh updates"):
         feedback.keep(torch.tensor([0]), x, torch.zeros_like(x))
-    with pytest.raises(ValueError, match="error_feedback_bound"):
-        ErrorFeedback(375, bound=-1.0)
-    with pytest.raises(ValueError, match="error_feedback_decay"):
-        ErrorFeedback(375, decay=1.5)
+    with pytest.raises(ValueError, match="error_feedback.bound"):
+        Residuals(375, bound=-1.0)
+    with pytest.raises(ValueError, match="error_feedback.decay"):
+        Residuals(375, decay=1.5)

@@ -15,14 +15,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-
 from conformance import METHODS, PROTOCOLS, comparable_state, data, relative_error, supports
-from workbench.engines.local import LocalClients, Replies, add_metrics
-from workbench.federation import Federation
+
+from workbench.engines.local import LocalClients
+from workbench.engines.round import Replies, RoundRequest, add_metrics
+from workbench.federation import Federation, codec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,20 +43,21 @@ class OneByOneClients:
             self.nodes[k] = LocalClients(fresh, dm.train_features[mine], dm.train_labels[mine],
                                          dm.train_client_ids[mine], torch.tensor([k]), dm.hparams.batch_size)
 
-    def update(self, round_index, broadcast, survivors, lost, secure) -> Replies:
+    def update(self, request: RoundRequest) -> Replies:
         total = Replies()
-        for k in sorted(survivors.tolist() + lost.tolist()):
-            reply = self.nodes[k].update(round_index, broadcast, torch.tensor([k]) if k in survivors else
-                                         torch.tensor([], dtype=torch.long),
-                                         torch.tensor([k]) if k not in survivors else torch.tensor([], dtype=torch.long),
-                                         secure)
-            if k not in survivors:
+        nobody = torch.tensor([], dtype=torch.long)
+        for k in sorted(request.survivors.tolist() + request.lost.tolist()):
+            survives = k in request.survivors
+            alone = replace(request, survivors=torch.tensor([k]) if survives else nobody,
+                            lost=nobody if survives else torch.tensor([k]))
+            reply = self.nodes[k].update(alone)
+            if not survives:
                 continue
             if reply.uploads is not None:  # one client's uploads, combined in client order
-                from workbench.federation import codec
-                total.uploads = codec.combine(total.uploads or {}, reply.uploads, self.method.uploads)
-            total.masked = reply.masked if secure is not None else None
-            total.one_client = reply.one_client
+                total.uploads = codec.combine(total.uploads or {}, reply.uploads, request.spec)
+            total.masked = reply.masked if request.secure is not None else None
+            total.layout = reply.layout
+            total.bytes_up += reply.bytes_up
             add_metrics(total.metric_sums, reply.metric_sums)
         return total
 

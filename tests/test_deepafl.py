@@ -383,8 +383,7 @@ def test_one_cohort_call_is_the_sum_of_each_clients_own_call_in_every_round(sche
         assert set(summed) == set(uploads)
         for name in uploads:
             assert relative_error(summed[name], uploads[name]) <= 1e-8, (round_index, name)
-        method.server_update(uploads, len(alone))
-        method.rounds_done += 1
+        method.finish_round(uploads, len(alone))
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -417,8 +416,7 @@ def test_a_round_costs_one_layer_and_a_client_without_its_cache_rebuilds_it(monk
             again, _ = fresh.half.client_update(round_index, broadcast, fresh.data)
             for name in uploads:
                 assert relative_error(again[name], uploads[name]) <= 1e-8, name
-        method.server_update(uploads, 1)
-        method.rounds_done += 1
+        method.finish_round(uploads, 1)
     if fused:  # Ω_T reaches the clients with the final broadcast
         clients.half.finish(method.final_broadcast(), clients.data)
         assert torch.equal(clients.half.omega, method.omega)

@@ -5,56 +5,55 @@ or per local step."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from collections import Counter
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-from tests.fake_device import DEVICE, Transfers, fake_device
 from tests.conformance import METHODS, data
+from tests.fake_device import DEVICE, Transfers, fake_device
 from tests.test_features import FakeBackbone
-from workbench.data import FederatedDataModule
-from workbench.data import features
+from workbench.data import FederatedDataModule, features
 from workbench.data.features import extract_features, extract_text_features
 from workbench.engines.local import LocalClients
+from workbench.engines.round import FitProtocol, run_final, run_round
+from workbench.federation import Federation
 from workbench.methods.base import Problem
+from workbench.methods.gradient import GradientMethod
 
 HOST = torch.device("cpu")
 
 
 def fit(name: str, dm: FederatedDataModule, device: torch.device, record: Transfers | None = None,
         local_epochs: int | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor, list[Transfers]]:
-    """The engine's rounds without Lightning (plan; the clients' vectorized update; the server's
-    update; the final broadcast and the clients' local work) on `device`: (the method's state on
-    the host, its logits of the test split (each local test row under its own client's model for
-    personalized methods), what each round transferred)."""
+    """The engine's rounds (`run_round`: plan, the clients' vectorized step, the server's update;
+    then `run_final`: the final broadcast and the clients' local work) on `device`, without
+    Lightning: (the method's state on the host, its logits of the test split (each local test row
+    under its own client's model for personalized methods), what each round transferred)."""
     method = METHODS[name][0]()
     if local_epochs is not None:
-        method.local_epochs = local_epochs
+        method.local = replace(method.local, epochs=local_epochs)
     method.setup(Problem(tuple(dm.input_shape), dm.num_classes, dm.num_clients))
     ids = dm.train_client_ids.to(device)
     clients = LocalClients(method, dm.train_features.to(device), dm.train_labels.to(device), ids,
                            torch.unique(ids), dm.hparams.batch_size)
     method.to(device), clients.half.to(device)  # as Lightning moves the engine after its setup
-    available, nobody = torch.unique(ids), torch.zeros(0, dtype=torch.long, device=device)
+    available = torch.unique(ids)
+    protocol = FitProtocol.start(method, Federation(), len(available))
     rounds = []
-    for round_index in range(method.num_rounds):
+    for _ in range(method.num_rounds):
         if record is not None:
             record.clear()
-        plan = method.plan_round(available)
-        cohort = plan.clients.to(device)
-        replies = clients.update(round_index, plan.broadcast, cohort, nobody, None)
-        method.server_update(replies.uploads, len(cohort))
-        method.rounds_done += 1
+        run_round(method, clients, protocol, available)
         if record is not None:
             rounds.append(record.copy())
     test_features = (dm.local_test_features if method.personalized else dm.test_features).to(device)
     test_ids = dm.local_test_client_ids.to(device) if method.personalized else None
     if record is not None:
         record.clear()
-    clients.finish(method.final_broadcast())
-    method.finished.fill_(True)
+    run_final(method, clients)
     logits = clients.predict(test_features, test_ids) if method.personalized else method.logits(test_features)
     if record is not None:
         rounds.append(record.copy())  # the final broadcast's local work and the predictions
@@ -75,7 +74,7 @@ def larger():
     return dm
 
 
-GRADIENT = {"FedAvg", "FedProx", "Ditto", "OSFED", "SCAFFOLD"}
+GRADIENT = {name for name, (build, _) in METHODS.items() if isinstance(build(), GradientMethod)}
 # where a larger round may wait for the device more often, by design: L-BFGS's line search stops
 # as soon as every problem has its step (a read a backtrack; OS-FED), and a client table takes its
 # first rows for clients it has not seen (Ditto, SCAFFOLD, error feedback)

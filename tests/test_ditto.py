@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fedavg import ROOT, SMALL, data, fit64
+from test_fedavg import ROOT, data, fit64, small
 from torch.func import functional_call
 
 from workbench.cli import main
 from workbench.data import FederatedDataModule, SyntheticBlobs
 from workbench.engines.local import LocalClients
+from workbench.federation.local_training import LocalTraining
 from workbench.methods import Ditto, FedAvg, Problem
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -25,8 +26,8 @@ def fitted(method, **data_kwargs):
 
 def test_the_global_model_and_the_bytes_are_fedavgs():
     """The personal steps draw their own random stream and never touch w."""
-    ditto, _ = fitted(Ditto(lam=1.0, num_rounds=3, seed=2, **SMALL))
-    fedavg, _ = fitted(FedAvg(num_rounds=3, seed=2, **SMALL))
+    ditto, _ = fitted(Ditto(lam=1.0, num_rounds=3, seed=2, **small()))
+    fedavg, _ = fitted(FedAvg(num_rounds=3, seed=2, **small()))
     torch.testing.assert_close(ditto.method.flat_parameters(), fedavg.method.flat_parameters(), rtol=0, atol=0)
     for key in ("comm/bytes_up", "comm/bytes_down", "comm/rounds"):
         assert ditto.fit_metrics[key] == fedavg.fit_metrics[key]
@@ -34,13 +35,13 @@ def test_the_global_model_and_the_bytes_are_fedavgs():
 
 def initial_weights(seed: int, num_clients: int = 5) -> torch.Tensor:
     """w₀ of the SMALL head on the 8-d, 4-class blobs: (P,) float64."""
-    method = FedAvg(num_rounds=1, seed=seed, **SMALL)
+    method = FedAvg(num_rounds=1, seed=seed, **small())
     method.setup(Problem((8,), 4, num_clients))
     return method.flat_parameters().double()
 
 
 def test_personal_models_start_at_w0_as_client_state():
-    method = Ditto(lam=0.5, num_rounds=1, seed=6, **SMALL)
+    method = Ditto(lam=0.5, num_rounds=1, seed=6, **small())
     method.setup(Problem((8,), 4, 7))
     half = method.client_half()
     half.setup_clients(torch.tensor([1, 4, 6]), 30)
@@ -56,7 +57,7 @@ def test_personal_models_stay_nearer_the_global_model_as_lambda_grows():
     """One round: the centre of the pull is w₀, so ‖v_k − w₀‖ shrinks as λ grows."""
     distances = []
     for lam in (0.0, 1.0, 4.0, 9.0):
-        engine, _ = fitted(Ditto(lam=lam, num_rounds=1, local_epochs=3, seed=1, **SMALL))
+        engine, _ = fitted(Ditto(lam=lam, num_rounds=1, seed=1, **small(epochs=3)))
         personal = engine.client_half.personal.read(torch.arange(5))
         distances.append((personal - initial_weights(seed=1)).norm(dim=1))
     for weaker, stronger in zip(distances, distances[1:]):
@@ -66,8 +67,8 @@ def test_personal_models_stay_nearer_the_global_model_as_lambda_grows():
 
 def test_without_the_pull_personal_models_ignore_the_global_training():
     """λ = 0 is local-only SGD from w₀: changing the global step size changes w, not v_k."""
-    slow, _ = fitted(Ditto(lam=0.0, num_rounds=2, seed=3, server_lr=0.5, **SMALL))
-    fast, _ = fitted(Ditto(lam=0.0, num_rounds=2, seed=3, server_lr=1.0, **SMALL))
+    slow, _ = fitted(Ditto(lam=0.0, num_rounds=2, seed=3, server_lr=0.5, **small()))
+    fast, _ = fitted(Ditto(lam=0.0, num_rounds=2, seed=3, server_lr=1.0, **small()))
     assert not torch.allclose(slow.method.flat_parameters(), fast.method.flat_parameters())
     clients = torch.arange(5)
     torch.testing.assert_close(slow.client_half.personal.read(clients), fast.client_half.personal.read(clients),
@@ -75,7 +76,7 @@ def test_without_the_pull_personal_models_ignore_the_global_training():
 
 
 def test_only_sampled_clients_train_their_personal_model():
-    method = Ditto(lam=0.5, num_rounds=1, sample_fraction=0.4, seed=0, **SMALL)
+    method = Ditto(lam=0.5, num_rounds=1, sample_fraction=0.4, seed=0, **small())
     drawn = []
     original = method.sample_clients
     method.sample_clients = lambda available: drawn.append(original(available)) or drawn[-1]
@@ -90,7 +91,7 @@ def test_only_sampled_clients_train_their_personal_model():
 def test_a_cohort_call_is_each_clients_call_alone():
     """Personal and global steps of a cohort equal each client's alone (per-client streams)."""
     dm = data(num_clients=5, partition="dirichlet", alpha=0.3)
-    method = Ditto(lam=0.5, num_rounds=2, seed=1, **SMALL)
+    method = Ditto(lam=0.5, num_rounds=2, seed=1, **small())
     method.setup(Problem((8,), 4, 5))
     halves = []
     for _ in range(2):
@@ -102,16 +103,16 @@ def test_a_cohort_call_is_each_clients_call_alone():
     for round_index in range(2):
         broadcast = {"weights": initial_weights(seed=1) + 0.01 * round_index}
         total, _ = together.half.client_update(round_index, broadcast, together.cohort(together.served))
-        summed = sum(alone.half.client_update(round_index, broadcast, alone.cohort(k[None]))[0]["update"]
-                     for k in alone.served)
-        torch.testing.assert_close(total["update"], summed, rtol=1e-12, atol=1e-12)
+        rows = torch.cat([alone.half.client_update(round_index, broadcast, alone.cohort(k[None]))[0]["update"]
+                          for k in alone.served])
+        torch.testing.assert_close(total["update"], rows, rtol=1e-12, atol=1e-12)
     clients = torch.arange(5)
     torch.testing.assert_close(together.half.personal.read(clients), alone.half.personal.read(clients),
                                rtol=1e-12, atol=1e-12)
 
 
 def test_each_client_predicts_with_its_personal_model():
-    engine, dm = fitted(Ditto(lam=0.5, num_rounds=2, seed=0, **SMALL), personalized=True)
+    engine, dm = fitted(Ditto(lam=0.5, num_rounds=2, seed=0, **small()), personalized=True)
     half = engine.client_half
     features, client_ids = dm.local_test_features.double(), dm.local_test_client_ids
     logits = half.predict(features, client_ids)
@@ -132,7 +133,7 @@ def test_personalization_beats_the_global_model_on_skewed_clients():
                              synthetic=SyntheticBlobs(num_classes=4, dim=8, train_size=1200,
                                                       separation=2.0, seed=0))
     dm.setup()
-    method = Ditto(lam=0.1, num_rounds=5, local_epochs=2, seed=0, **SMALL)
+    method = Ditto(lam=0.1, num_rounds=5, seed=0, **small(epochs=2))
     engine = fit64(method, dm)
     features, labels, client_ids = dm.local_test_features.double(), dm.local_test_labels, dm.local_test_client_ids
     personal = engine.client_half.predict(features, client_ids).argmax(1).eq(labels).double().mean()
@@ -144,7 +145,7 @@ def test_personalization_beats_the_global_model_on_skewed_clients():
 
 def test_bad_settings_name_the_fix():
     with pytest.raises(ValueError, match="lower lam or personal_lr"):
-        Ditto(lam=50.0, lr=0.1)
+        Ditto(lam=50.0, local=LocalTraining(lr=0.1))
     with pytest.raises(ValueError, match="personal_epochs"):
         Ditto(personal_epochs=0)
 

@@ -9,6 +9,7 @@ import torch
 
 from workbench.data import FederatedDataModule, SyntheticBlobs
 from workbench.federation import Federation
+from workbench.federation.local_training import LocalTraining
 from workbench.linalg import class_sums
 from workbench.methods import AFL, Cohort, DeepAFL, FedAvg, Problem
 
@@ -165,7 +166,7 @@ def test_fedavg_continues_and_averages_only_the_updates_that_arrive(fit_method):
             averaged_over.append(num_clients)
             return super().server_update(uploads, num_clients)
 
-    method = RecordingFedAvg(num_rounds=4, architecture="linear", lr=0.1)
+    method = RecordingFedAvg(num_rounds=4, architecture="linear", local=LocalTraining(lr=0.1))
     method.federation = Federation(dropout=0.3, seed=2)
     engine = fit_method(method, dm)
     assert method.round == 4 and averaged_over == [10 - 3] * 4

@@ -15,14 +15,23 @@ from workbench.cli import main
 from workbench.data import FederatedDataModule, SyntheticBlobs
 from workbench.data import datasets as dataset_registry
 from workbench.engines import LightningEngine
-from workbench.federation.local_training import minibatch_schedule
+from workbench.federation.compression import Compression, ErrorFeedback
+from workbench.federation.local_training import LocalTraining, minibatch_schedule
 from workbench.methods import FedAvg, FedProx
-from workbench.methods.fedavg import MINIBATCHES, FedAvgClient, round_seed
+from workbench.methods.fedavg import FedAvgClient
+from workbench.methods.gradient import MINIBATCHES, round_seed
 from workbench.methods.heads import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOBS = SyntheticBlobs(num_classes=4, dim=8, train_size=600, test_size=200, seed=0)
-SMALL = dict(architecture="mlp", hidden_dim=8, lr=0.1, local_batch_size=32)
+SMALL = dict(architecture="mlp", hidden_dim=8)  # an 8 → 8 → 4 MLP
+
+
+def small(**local) -> dict:
+    """SMALL's model trained locally at lr 0.1 in batches of 32 (`local` changes or adds settings)."""
+    return {**SMALL, "local": LocalTraining(**{"lr": 0.1, "batch_size": 32, **local})}
+
+
 P = 8 * 8 + 8 + 8 * 4 + 4  # parameters of the 8 → 8 → 4 MLP
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -68,7 +77,7 @@ def centralized_sgd(dm, rounds: int, lr_of_round, momentum: float = 0.0, weight_
 
 def test_one_client_with_full_participation_is_centralized_sgd():
     dm = data(num_clients=1)
-    method = FedAvg(num_rounds=3, local_epochs=2, seed=4, **SMALL)
+    method = FedAvg(num_rounds=3, seed=4, **small(epochs=2))
     fit64(method, dm)
     # Float64 everywhere except the wire: each round's Δw crosses it rounded to float32.
     ours = method.flat_parameters()
@@ -78,7 +87,7 @@ def test_one_client_with_full_participation_is_centralized_sgd():
 
 def client_drifts(monkeypatch, method_class, **kwargs) -> torch.Tensor:
     """‖w_k − w_t‖ of each client after one round of 3 local epochs: (K,)."""
-    method = method_class(num_rounds=1, local_epochs=3, seed=1, **SMALL, **kwargs)
+    method = method_class(num_rounds=1, seed=1, **small(epochs=3), **kwargs)
     drifts = []
     encode = FedAvgClient.encode
 
@@ -102,9 +111,7 @@ def test_fedprox_keeps_clients_near_the_global_model(monkeypatch):
 
 def test_sampled_clients_alone_upload_and_are_redrawn_every_round():
     dm = data(num_clients=10)
-    method = FedAvg(
-        num_rounds=4, sample_fraction=0.3, compression="topk", topk_fraction=0.2, **SMALL
-    )
+    method = FedAvg(num_rounds=4, sample_fraction=0.3, **small(), compression=Compression(kind="topk", topk_fraction=0.2))
     drawn = []
     original = method.sample_clients
     method.sample_clients = lambda available: drawn.append(original(available)) or drawn[-1]
@@ -135,7 +142,7 @@ def test_sampled_clients_alone_upload_and_are_redrawn_every_round():
     ],
 )
 def test_upload_bytes_are_the_analytic_count(fit_method, compression, options, per_client):
-    method = FedAvg(num_rounds=2, compression=compression, **options, **SMALL)
+    method = FedAvg(num_rounds=2, **small(), compression=Compression(kind=compression, **options))
     engine = fit_method(method, data(num_clients=5))
     assert engine.fit_metrics["comm/bytes_up"] == 2 * 5 * per_client
     # round 0: the seed (8 bytes); round 1 and the final broadcast: the float32 model, to every client
@@ -144,22 +151,20 @@ def test_upload_bytes_are_the_analytic_count(fit_method, compression, options, p
 
 def test_lossless_settings_of_the_compressors_are_fedavg():
     dm = data(num_clients=4, partition="dirichlet", alpha=0.5)
-    reference = FedAvg(num_rounds=2, **SMALL)
+    reference = FedAvg(num_rounds=2, **small())
     fit64(reference, dm)
-    everything = FedAvg(
-        num_rounds=2, compression="topk", topk_fraction=1.0, error_feedback=False, **SMALL
-    )
+    everything = FedAvg(num_rounds=2, **small(), compression=Compression(kind="topk", topk_fraction=1.0), error_feedback=ErrorFeedback(enabled=False))
     fit64(everything, dm)
     torch.testing.assert_close(
         everything.flat_parameters(), reference.flat_parameters(), rtol=0, atol=0
     )
     # with error feedback, the float32 rounding of the wire is carried over: equal to that rounding
-    carried = FedAvg(num_rounds=2, compression="topk", topk_fraction=1.0, **SMALL)
+    carried = FedAvg(num_rounds=2, **small(), compression=Compression(kind="topk", topk_fraction=1.0))
     fit64(carried, dm)
     torch.testing.assert_close(
         carried.flat_parameters(), reference.flat_parameters(), rtol=1e-6, atol=1e-7
     )
-    quantized = FedAvg(num_rounds=2, compression="quantize", quantize_bits=16, **SMALL)
+    quantized = FedAvg(num_rounds=2, **small(), compression=Compression(kind="quantize", quantize_bits=16))
     fit64(quantized, dm)
     gap = (quantized.flat_parameters() - reference.flat_parameters()).norm()
     assert gap < 1e-3 * reference.flat_parameters().norm()
@@ -168,7 +173,7 @@ def test_lossless_settings_of_the_compressors_are_fedavg():
 def test_federated_training_learns(fit_method):
     """On blobs where the closed-form ridge head (AFL) scores 0.97, 10 rounds reach 0.9."""
     dm = data(num_clients=5, partition="dirichlet", alpha=0.5)
-    method = FedAvg(num_rounds=10, **SMALL)
+    method = FedAvg(num_rounds=10, **small())
     engine = fit_method(method, dm)
     assert engine.trainer.test(engine, datamodule=dm, verbose=False)[0]["test/acc"] > 0.9
 
@@ -176,19 +181,19 @@ def test_federated_training_learns(fit_method):
 def test_the_clients_train_on_views_of_the_whole_training_set(fit_method):
     """In process the engine hands the client half the data module's rows themselves (no copy)."""
     dm = data(num_clients=5, batch_size=64)
-    engine = fit_method(FedAvg(num_rounds=1, **SMALL), dm)
+    engine = fit_method(FedAvg(num_rounds=1, **small()), dm)
     rows = engine.clients.data
     assert rows.features.data_ptr() == dm.train_features.data_ptr()
     assert len(rows.labels) == len(dm.train_labels) and torch.equal(rows.client_ids, dm.train_client_ids)
 
 
 def test_a_cohort_call_is_each_clients_call_alone():
-    """One client_update over every client equals the sum of one-client calls (own streams)."""
+    """One client_update over every client gives each client's row of its one-client call (own streams)."""
     from workbench.engines.local import LocalClients
     from workbench.methods import Problem
 
     dm = data(num_clients=6, partition="dirichlet", alpha=0.3)
-    method = FedAvg(num_rounds=2, compression="topk", topk_fraction=0.3, **SMALL)
+    method = FedAvg(num_rounds=2, **small(), compression=Compression(kind="topk", topk_fraction=0.3))
     method.setup(Problem((8,), 4, 6))
     method.double()
     together = LocalClients(method, dm.train_features.double(), dm.train_labels, dm.train_client_ids,
@@ -199,9 +204,9 @@ def test_a_cohort_call_is_each_clients_call_alone():
     for round_index in range(2):  # the second round starts from error feedback
         broadcast = {"weights": method.flat_parameters() + round_index}
         total, _ = together.half.client_update(round_index, broadcast, together.cohort(together.served))
-        summed = sum(alone.half.client_update(round_index, broadcast, alone.cohort(k[None]))[0]["update"]
-                     for k in alone.served)
-        torch.testing.assert_close(total["update"], summed, rtol=1e-12, atol=1e-12)
+        rows = torch.cat([alone.half.client_update(round_index, broadcast, alone.cohort(k[None]))[0]["update"]
+                          for k in alone.served])
+        torch.testing.assert_close(total["update"], rows, rtol=1e-12, atol=1e-12)
     slots = torch.arange(len(together.served))
     torch.testing.assert_close(together.half.feedback.residual(slots), alone.half.feedback.residual(slots),
                                rtol=1e-12, atol=1e-12)
@@ -232,7 +237,7 @@ def test_raw_images_feed_a_cnn(add_dataset, fit_method):
     assert dm.input_shape == (1, 8, 8) and dm.feature_dim == 64
     assert dm.train_features.min() >= -1 and dm.train_features.max() <= 1
     assert dm.describe()["backbone"] == "none"
-    method = FedAvg(num_rounds=5, architecture="cnn", lr=0.1, local_batch_size=8)
+    method = FedAvg(num_rounds=5, architecture="cnn", local=LocalTraining(lr=0.1, batch_size=8))
     engine = fit_method(method, dm)
     assert method.input_shape == (1, 8, 8)
     assert engine.trainer.test(engine, datamodule=dm, verbose=False)[0]["test/acc"] > 0.9
@@ -240,11 +245,11 @@ def test_raw_images_feed_a_cnn(add_dataset, fit_method):
 
 def test_bad_settings_name_the_fix():
     with pytest.raises(ValueError, match="lr"):
-        FedAvg(lr=0.0)
+        FedAvg(local=LocalTraining(lr=0.0))
     with pytest.raises(ValueError, match="sample_fraction"):
         FedAvg(sample_fraction=0.0)
     with pytest.raises(ValueError, match="mu"):
-        FedProx(mu=50.0, lr=0.1)
+        FedProx(mu=50.0, local=LocalTraining(lr=0.1))
     with pytest.raises(ValueError, match="inputs=features"):
         FederatedDataModule(dataset="synthetic", inputs="images")
     with pytest.raises(ValueError, match="data.inputs=images"):
@@ -264,8 +269,8 @@ def test_cli_logs_bytes_every_round(tmp_path, method):
             f"--model={method}",
             "--model.num_rounds=3",
             "--model.hidden_dim=8",
-            "--model.compression=quantize",
-            "--model.quantize_bits=4",
+            "--model.compression.kind=quantize",
+            "--model.compression.quantize_bits=4",
             "--data=FederatedDataModule",
             "--data.dataset=synthetic",
             "--data.num_clients=4",
@@ -273,7 +278,7 @@ def test_cli_logs_bytes_every_round(tmp_path, method):
             f"--run_dir={tmp_path}",
         ]
     )
-    per_client = cli.model.method.compressor.bytes_per_client()  # cli.model: the engine
+    per_client = cli.model.method.uploads["update"].encoding.bytes_per_client()  # cli.model: the engine
     rows = [row for row in logged_rows(tmp_path) if row.get("comm/bytes_up")]
     assert [float(row["comm/bytes_up"]) for row in rows] == [r * 4 * per_client for r in (1, 2, 3)]
     assert "test/acc" in cli.trainer.callback_metrics  # the fit ends with a test

@@ -7,7 +7,12 @@ import sys
 
 import pytest
 
-from workbench.files import _HOST, remove_orphaned_temporaries, replaced_atomically, write_text_atomically
+from workbench.files import (
+    _HOST,
+    remove_orphaned_temporaries,
+    replaced_atomically,
+    write_text_atomically,
+)
 
 
 def dead_pid() -> int:

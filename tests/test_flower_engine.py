@@ -20,6 +20,8 @@ from workbench.data import FederatedDataModule, SyntheticBlobs  # noqa: E402
 from workbench.engines.flower import client_app, server_app, simulation  # noqa: E402
 from workbench.engines.flower.spec import RunSpec, from_record, half_state, restore_half, to_record  # noqa: E402
 from workbench.federation import Federation, codec  # noqa: E402
+from workbench.federation.compression import Compression  # noqa: E402
+from workbench.federation.local_training import LocalTraining  # noqa: E402
 from workbench.federation.secure_aggregation import SecureAggregator  # noqa: E402
 from workbench.methods import AFL, FedAvg  # noqa: E402
 from workbench.methods.base import Problem  # noqa: E402
@@ -36,8 +38,8 @@ def three_clients(**options) -> FederatedDataModule:
 
 
 def fedavg(**options) -> FedAvg:
-    return FedAvg(**{"num_rounds": 3, "architecture": "mlp", "hidden_dim": 16, "local_batch_size": 32,
-                     "compression": "topk", "topk_fraction": 0.2, **options})
+    return FedAvg(**{"num_rounds": 3, "architecture": "mlp", "hidden_dim": 16, "local": LocalTraining(batch_size=32),
+                     "compression": Compression("topk", topk_fraction=0.2), **options})
 
 
 def assert_same_state(method, reference, tolerance: float) -> None:
@@ -64,7 +66,7 @@ def test_symmetric_uploads_travel_as_upper_triangles_through_a_record():
 
 
 def test_a_client_rebuilds_the_same_method_and_data_from_the_spec():
-    method, data = fedavg(lr=0.1), three_clients()
+    method, data = fedavg(local=LocalTraining(lr=0.1, batch_size=32)), three_clients()
     spec = RunSpec.from_record(RunSpec.of(method, data).to_record())
     rebuilt, rebuilt_data = spec.build_method(), spec.build_data()
     assert type(rebuilt) is FedAvg and dict(rebuilt.hparams_initial) == dict(method.hparams_initial)
@@ -108,7 +110,8 @@ def fake_context(client: int, num_clients: int = 3) -> Context:
 
 def train_message(spec: RunSpec, round_index: int, broadcast: dict, secure: str = "", lost: bool = False) -> Message:
     content = RecordDict({"spec": spec.to_record(), "broadcast": to_record(broadcast),
-                          "round": ConfigRecord({"session": "s", "round": round_index, "lost": lost, "secure": secure})})
+                          "round": ConfigRecord({"session": "s", "round": round_index, "lost": lost, "secure": secure,
+                                                 "clip_norm": -1.0})})
     return Message(content, dst_node_id=101, message_type="train")
 
 

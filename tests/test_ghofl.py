@@ -437,9 +437,9 @@ def test_cli_logs_every_heads_accuracy_and_reloads_the_trained_heads(tmp_path):
 
 
 def test_the_trained_heads_loss_curves_are_logged_one_step_per_nested_epoch(tmp_path):
+    from conftest import quiet_trainer
     from lightning.pytorch.loggers import CSVLogger
 
-    from conftest import quiet_trainer
     from workbench.engines import LightningEngine
 
     method = GHOFL(heads=["lda", "fishermix"], **QUICK)

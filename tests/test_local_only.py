@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as nnf
 
 from workbench.data import FederatedDataModule, SyntheticBlobs
-from workbench.linalg import grouped_ridge
 from workbench.engines.local import LocalClients
+from workbench.linalg import grouped_ridge
 from workbench.methods import LocalOnly, Problem
 
 BLOBS = SyntheticBlobs(num_classes=5, dim=16, train_size=2000, test_size=200, separation=4.0, seed=6)

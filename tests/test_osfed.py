@@ -11,15 +11,18 @@ from test_fedavg import fake_images  # a tiny image dataset
 from workbench.cli import main
 from workbench.data import FederatedDataModule, SyntheticBlobs
 from workbench.engines.local import LocalClients
-from workbench.federation.local_training import local_sgd
+from workbench.federation import codec
+from workbench.federation.compression import ErrorFeedback
+from workbench.federation.local_training import LocalTraining, local_sgd
 from workbench.methods import OSFED, Cohort, Problem
-from workbench.methods.osfed import OSFEDClient, multi_grid
+from workbench.methods.osfed import OSFEDClient, Snapshot, multi_grid
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 BLOBS = SyntheticBlobs(num_classes=4, dim=8, train_size=400, test_size=200, seed=0)
 
 
-def prepared(grid_size: int = 2, num_clients: int = 4, **options) -> tuple[OSFEDClient, Cohort]:
+def prepared(grid_size: int = 2, num_clients: int = 4, lbfgs_steps: int = 30, diagnostics: bool = False,
+             error_feedback: ErrorFeedback = ErrorFeedback()) -> tuple[OSFEDClient, Cohort]:
     """An OS-FED client half serving every client of tiny blobs, in float64, and the whole
     training set as its cohort (every client has data: slot k is client k)."""
     dm = FederatedDataModule(
@@ -31,14 +34,9 @@ def prepared(grid_size: int = 2, num_clients: int = 4, **options) -> tuple[OSFED
         min_partition_size=5,
     )
     dm.setup()
-    method = OSFED(
-        architecture="mlp",
-        hidden_dim=8,
-        grid_size=grid_size,
-        lr=0.1,
-        local_batch_size=16,
-        **options,
-    )
+    method = OSFED(architecture="mlp", hidden_dim=8, diagnostics=diagnostics, error_feedback=error_feedback,
+                   snapshot=Snapshot(grid_size=grid_size, lbfgs_steps=lbfgs_steps),
+                   local=LocalTraining(lr=0.1, batch_size=16))
     method.setup(Problem(tuple(dm.input_shape), dm.num_classes, num_clients))
     clients = LocalClients(method, dm.train_features.double(), dm.train_labels, dm.train_client_ids,
                            torch.unique(dm.train_client_ids), batch_size=1 << 14)
@@ -162,7 +160,7 @@ def test_error_feedback_carries_exactly_target_minus_recovered():
 
 @pytest.mark.parametrize("architecture", ["mlp", "cnn"])
 def test_the_servers_batched_recovery_is_the_mean_of_each_clients_gradient(architecture):
-    method = OSFED(architecture=architecture, hidden_dim=8, grid_size=2, server_lr=0.5)
+    method = OSFED(architecture=architecture, hidden_dim=8, server_lr=0.5, snapshot=Snapshot(grid_size=2))
     shape = (8,) if architecture == "mlp" else (1, 8, 8)
     method.setup(Problem(shape, 3, 5))
     method.double()
@@ -223,15 +221,7 @@ def test_uploads_are_the_snapshot_bytes_and_training_learns(fit_method):
         alpha=0.5,
         min_partition_size=5,
     )
-    method = OSFED(
-        num_rounds=6,
-        architecture="mlp",
-        hidden_dim=8,
-        grid_size=2,
-        lr=0.1,
-        local_batch_size=16,
-        lbfgs_steps=10,
-    )
+    method = OSFED(num_rounds=6, architecture="mlp", hidden_dim=8, snapshot=Snapshot(grid_size=2, lbfgs_steps=10), local=LocalTraining(lr=0.1, batch_size=16))
     engine = fit_method(method, dm)
     assert (
         engine.fit_metrics["comm/bytes_up"] == 6 * 5 * 4 * (8 + 4) * 4
@@ -244,16 +234,7 @@ def test_uploads_are_the_snapshot_bytes_and_training_learns(fit_method):
 def test_cnn_snapshots_on_raw_images(add_dataset, fit_method):
     add_dataset("tiny_images", fake_images)
     dm = FederatedDataModule(dataset="tiny_images", inputs="images", num_clients=3, partition="iid")
-    method = OSFED(
-        num_rounds=2,
-        architecture="cnn",
-        grid_size=2,
-        snapshot_resolution=4,
-        lr=0.1,
-        local_batch_size=8,
-        lbfgs_steps=5,
-        diagnostics=True,
-    )
+    method = OSFED(num_rounds=2, architecture="cnn", diagnostics=True, snapshot=Snapshot(grid_size=2, resolution=4, lbfgs_steps=5), local=LocalTraining(lr=0.1, batch_size=8))
     engine = fit_method(method, dm)
     assert method.snapshot_shape == engine.client_half.snapshot_shape == (1, 4, 4)
     assert (
@@ -265,9 +246,9 @@ def test_cnn_snapshots_on_raw_images(add_dataset, fit_method):
 
 def test_bad_settings_name_the_fix():
     with pytest.raises(ValueError, match="grid_size"):
-        OSFED(grid_size=0)
-    with pytest.raises(ValueError, match="multiple of grid_size"):
-        OSFED(grid_size=3, snapshot_resolution=28)
+        OSFED(snapshot=Snapshot(grid_size=0))
+    with pytest.raises(ValueError, match="multiple of snapshot.grid_size"):
+        OSFED(snapshot=Snapshot(grid_size=3, resolution=28))
 
 
 def test_cli_logs_bytes_and_the_matching_loss_every_round(tmp_path):
@@ -277,7 +258,7 @@ def test_cli_logs_bytes_and_the_matching_loss_every_round(tmp_path):
             "--model=OSFED",
             "--model.num_rounds=2",
             "--model.hidden_dim=8",
-            "--model.lbfgs_steps=5",
+            "--model.snapshot.lbfgs_steps=5",
             "--data=FederatedDataModule",
             "--data.dataset=synthetic",
             "--data.num_clients=4",
@@ -300,7 +281,7 @@ def test_cli_logs_bytes_and_the_matching_loss_every_round(tmp_path):
             "--model=OSFED",
             "--model.num_rounds=2",
             "--model.hidden_dim=8",
-            "--model.lbfgs_steps=5",
+            "--model.snapshot.lbfgs_steps=5",
             "--data=FederatedDataModule",
             "--data.dataset=synthetic",
             "--data.num_clients=4",
@@ -327,7 +308,7 @@ def test_diagnostics_compare_the_applied_update_with_fedavgs_mean_update():
     assert metrics["osfed/residual_ratio"] == pytest.approx(
         float((residual.norm(dim=1) / fresh.norm(dim=1)).sum()), rel=1e-5)
 
-    server = OSFED(architecture="mlp", hidden_dim=8, grid_size=2, lr=0.1, local_batch_size=16, diagnostics=True)
+    server = OSFED(architecture="mlp", hidden_dim=8, diagnostics=True, snapshot=Snapshot(grid_size=2), local=LocalTraining(lr=0.1, batch_size=16))
     server.setup(Problem((8,), 4, 4))
     server.double()
     server.flat.load(weights)
@@ -336,13 +317,13 @@ def test_diagnostics_compare_the_applied_update_with_fedavgs_mean_update():
     logged = server.server_update(uploads, 3)
     assert logged["osfed/update_rel_error"] == pytest.approx(float((applied - mean).norm() / mean.norm()), rel=1e-5)
     assert logged["osfed/update_norm_ratio"] == pytest.approx(float(applied.norm() / mean.norm()), rel=1e-5)
-    assert server.upload_bytes_per_client(uploads) == 4 * 4 * (8 + 4)  # the snapshots alone
+    assert codec.upload_bytes(uploads, server.uploads) == 4 * 4 * (8 + 4)  # the snapshots alone
     assert "diagnostic_update" not in prepared(lbfgs_steps=1)[0].client_update(
         1, {"weights": weights}, batch.of(CLIENTS))[0]  # off by default: nothing extra on the wire
 
 
 def test_bounded_error_feedback_keeps_each_residual_within_c_times_the_update():
-    client, batch = prepared(lbfgs_steps=3, error_feedback_bound=0.25)
+    client, batch = prepared(lbfgs_steps=3, error_feedback=ErrorFeedback(bound=0.25))
     plain, _ = prepared(lbfgs_steps=3)
     weights = client.flat.vector()
     for round_index in (1, 2, 3):
@@ -358,12 +339,13 @@ def test_bounded_error_feedback_keeps_each_residual_within_c_times_the_update():
 
 def test_cells_keep_the_inputs_resolution_by_default():
     problem = Problem((1, 8, 8), 3, 2)
-    for options, side in (({}, 16), ({"cell_scale": 0.5}, 8), ({"snapshot_resolution": 4}, 4),
-                          ({"grid_size": 3}, 24)):
-        method = OSFED(architecture="cnn", **{"grid_size": 2, **options})
+    for options, side in (({}, 16), ({"cell_scale": 0.5}, 8), ({"resolution": 4}, 4), ({"grid_size": 3}, 24)):
+        method = OSFED(architecture="cnn", snapshot=Snapshot(**{"grid_size": 2, **options}))
         method.setup(problem)
         assert method.snapshot_shape == (1, side, side)
         cells = method.grid_size**2
-        assert method.upload_bytes_per_client({}) == 4 * (side * side + cells * 3)
+        one_client = {"snapshot_inputs": torch.zeros(1, *method.snapshot_shape),
+                      "snapshot_labels": torch.zeros(1, *method.label_shape)}
+        assert codec.upload_bytes(one_client, method.uploads) == 4 * (side * side + cells * 3)
     with pytest.raises(ValueError, match="cell_scale"):
-        OSFED(cell_scale=0)
+        OSFED(snapshot=Snapshot(cell_scale=0))

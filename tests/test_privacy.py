@@ -9,7 +9,13 @@ import torch
 from workbench.data import FederatedDataModule, SyntheticBlobs
 from workbench.federation import Federation
 from workbench.federation.privacy import (
-    add_gaussian_noise, gaussian_delta, gaussian_epsilon, ridge_sensitivity, safe_ridge, symmetric_gaussian)
+    add_gaussian_noise,
+    gaussian_delta,
+    gaussian_epsilon,
+    ridge_sensitivity,
+    safe_ridge,
+    symmetric_gaussian,
+)
 from workbench.federation.protocol import NOISE_STREAM
 from workbench.linalg import class_sums
 from workbench.methods import AFL

@@ -22,11 +22,11 @@ DATA = ["--data=FederatedDataModule", "--data.dataset=synthetic", "--data.num_cl
 COMMON = ["--trainer.enable_progress_bar=false", "--wandb=disabled", "--run_name=run", *DATA]
 # method: (its settings, rounds of the uninterrupted fit, rounds of the interrupted one, signal, stop after)
 METHODS = {
-    "fedavg_linear": (["--model=FedAvg", "--model.architecture=linear", "--model.local_epochs=1"], 4, 3, "TERM", 2),
+    "fedavg_linear": (["--model=FedAvg", "--model.architecture=linear", "--model.local.epochs=1"], 4, 3, "TERM", 2),
     "fedavg_mlp": (["--model=FedAvg", "--model.architecture=mlp", "--model.hidden_dim=8"], 3, 3, "INT", 1),
     "deepafl": (["--model=DeepAFL", "--model.num_layers=2", "--model.hidden_dim=16", "--model.block_dim=16"],
                 None, None, "TERM", 2),
-    "osfed": (["--model=OSFED", "--model.hidden_dim=8", "--model.lbfgs_steps=5"], 3, 3, "TERM", 1),
+    "osfed": (["--model=OSFED", "--model.hidden_dim=8", "--model.snapshot.lbfgs_steps=5"], 3, 3, "TERM", 1),
     # sampled clients: the checkpoint's table of control variates holds only those that took part
     "scaffold_sampled": (["--model=SCAFFOLD", "--model.architecture=linear", "--model.sample_fraction=0.5"],
                          4, 4, "TERM", 1),
@@ -127,7 +127,7 @@ def test_without_checkpoint_every_round_only_a_stop_writes_last(tmp_path):
 
 def test_concurrent_runs_claim_version_folders_of_their_own(tmp_path):
     settings = METHODS["fedavg_linear"][0]
-    processes = [start(tmp_path, *settings, *rounds(1), f"--model.lr={lr}") for lr in (0.1, 0.2, 0.3)]
+    processes = [start(tmp_path, *settings, *rounds(1), f"--model.local.lr={lr}") for lr in (0.1, 0.2, 0.3)]
     for process in processes:
         code, out = finish(process)
         assert code == 0, out
@@ -139,5 +139,5 @@ def test_concurrent_runs_claim_version_folders_of_their_own(tmp_path):
         config = (version / "config.yaml").read_text()
         lrs |= {lr for lr in ("0.1", "0.2", "0.3") if f"lr: {lr}" in config}
         saved = torch.load(version / "model.ckpt", weights_only=False)["workbench"]["settings"]
-        assert f"lr: {saved['lr']}" in config  # each folder's model is the one its config made
+        assert f"lr: {saved['local']['lr']}" in config  # each folder's model is the one its config made
     assert lrs == {"0.1", "0.2", "0.3"}

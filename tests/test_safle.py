@@ -198,8 +198,7 @@ def test_one_cohort_call_is_the_sum_of_each_clients_own_call(thresholds, raw_fea
         assert set(summed) == set(uploads)
         for name in uploads:
             assert relative_error(summed[name], uploads[name]) <= 1e-12, (round_index, name)
-        method.server_update(uploads, len(alone))
-        method.rounds_done += 1
+        method.finish_round(uploads, len(alone))
 
 
 # ---- federated = centralized ---------------------------------------------------------------------
@@ -314,8 +313,7 @@ def fit_rounds(method, clients: list[LocalClients], num_clients: int) -> dict[st
         for served in clients:
             upload, _ = served.half.client_update(method.round, broadcast, served.data)
             summed = {name: summed.get(name, 0) + value for name, value in upload.items()}
-        metrics.update(method.server_update(summed, num_clients))
-        method.rounds_done += 1
+        metrics.update(method.finish_round(summed, num_clients))
     return metrics
 
 

@@ -6,10 +6,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from test_fedavg import P, SMALL, data, fit64
+from test_fedavg import P, data, fit64, small
 
 from workbench.data import FederatedDataModule, SyntheticBlobs
 from workbench.engines.local import LocalClients
+from workbench.federation.compression import Compression
+from workbench.federation.local_training import LocalTraining
 from workbench.methods import SCAFFOLD, FedAvg, Problem
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -18,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_the_first_round_is_fedavgs():
     """c = c_i = 0: the corrected steps are FedAvg's local SGD, whatever the number of steps."""
     dm = data(num_clients=5, partition="dirichlet", alpha=0.3)
-    scaffold, fedavg = (cls(num_rounds=1, local_epochs=3, seed=2, **SMALL) for cls in (SCAFFOLD, FedAvg))
+    scaffold, fedavg = (cls(num_rounds=1, seed=2, **small(epochs=3)) for cls in (SCAFFOLD, FedAvg))
     fit64(scaffold, dm), fit64(fedavg, dm)
     torch.testing.assert_close(scaffold.flat_parameters(), fedavg.flat_parameters(), rtol=0, atol=0)
 
@@ -27,7 +29,7 @@ def test_with_one_local_step_every_round_is_fedavgs():
     """One step (a client's data in one batch): c_i⁺ = g_i(x), and with every client taking part c
     stays the mean of the c_i, so the corrections cancel in the average: FedAvg (full-batch GD)."""
     dm = data(num_clients=5, partition="dirichlet", alpha=0.3)
-    one_step = {**SMALL, "local_batch_size": 600}
+    one_step = small(batch_size=600)
     scaffold, fedavg = (cls(num_rounds=4, seed=1, **one_step) for cls in (SCAFFOLD, FedAvg))
     engine = fit64(scaffold, dm)
     fit64(fedavg, dm)
@@ -38,7 +40,7 @@ def test_with_one_local_step_every_round_is_fedavgs():
 
 def test_controls_are_client_state_and_only_sampled_clients_update_theirs():
     dm = data(num_clients=10)
-    method = SCAFFOLD(num_rounds=3, sample_fraction=0.3, local_epochs=2, seed=0, **SMALL)
+    method = SCAFFOLD(num_rounds=3, sample_fraction=0.3, seed=0, **small(epochs=2))
     drawn = []
     original = method.sample_clients
     method.sample_clients = lambda available: drawn.append(original(available)) or drawn[-1]
@@ -60,7 +62,7 @@ def test_controls_are_client_state_and_only_sampled_clients_update_theirs():
 def test_option_two_control_update():
     """c_i⁺ = c_i − c + (x − y)/(K η_l), K = epochs · ceil(n_i / B); uploads Δy = y − x, Δc."""
     dm = data(num_clients=4, partition="dirichlet", alpha=0.5)
-    method = SCAFFOLD(num_rounds=2, local_epochs=2, seed=3, **SMALL)
+    method = SCAFFOLD(num_rounds=2, seed=3, **small(epochs=2))
     method.setup(Problem((8,), 4, 4))
     clients = LocalClients(method, dm.train_features.double(), dm.train_labels, dm.train_client_ids,
                            torch.unique(dm.train_client_ids), batch_size=64)
@@ -78,13 +80,13 @@ def test_option_two_control_update():
     expected = before[[1, 3]] - c + (x - y) / (steps[:, None] * 0.1)
     torch.testing.assert_close(half.control.read(torch.tensor([1, 3])), expected, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(half.control.read(torch.tensor([0, 2])), before[[0, 2]], rtol=0, atol=0)
-    torch.testing.assert_close(uploads["delta_y"], (y - x).float().double().sum(0), rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(uploads["delta_c"], (expected - before[[1, 3]]).sum(0), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(uploads["delta_y"], (y - x).float().double(), rtol=1e-6, atol=1e-7)  # a row per client
+    torch.testing.assert_close(uploads["delta_c"], expected - before[[1, 3]], rtol=1e-6, atol=1e-7)
 
 
-def test_a_cohort_call_is_the_sum_of_each_clients_call_alone():
+def test_a_cohort_call_gives_each_clients_call_alone():
     dm = data(num_clients=6, partition="dirichlet", alpha=0.3)
-    method = SCAFFOLD(num_rounds=3, local_epochs=2, seed=4, **SMALL)
+    method = SCAFFOLD(num_rounds=3, seed=4, **small(epochs=2))
     method.setup(Problem((8,), 4, 6))
     together, alone = (LocalClients(method, dm.train_features.double(), dm.train_labels, dm.train_client_ids,
                                     torch.unique(dm.train_client_ids), batch_size=64) for _ in range(2))
@@ -96,7 +98,7 @@ def test_a_cohort_call_is_the_sum_of_each_clients_call_alone():
         total, _ = together.half.client_update(round_index, broadcast, together.cohort(together.served))
         rows = [alone.half.client_update(round_index, broadcast, alone.cohort(k[None]))[0] for k in alone.served]
         for name in ("delta_y", "delta_c"):
-            torch.testing.assert_close(total[name], sum(r[name] for r in rows), rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(total[name], torch.cat([r[name] for r in rows]), rtol=1e-10, atol=1e-12)
     clients = torch.arange(6)
     torch.testing.assert_close(together.half.control.read(clients), alone.half.control.read(clients),
                                rtol=1e-10, atol=1e-12)
@@ -104,8 +106,8 @@ def test_a_cohort_call_is_the_sum_of_each_clients_call_alone():
 
 def test_bytes_are_twice_fedavgs(fit_method):
     dm = data(num_clients=5)
-    scaffold = fit_method(SCAFFOLD(num_rounds=3, **SMALL), dm).fit_metrics
-    fedavg = fit_method(FedAvg(num_rounds=3, **SMALL), dm).fit_metrics
+    scaffold = fit_method(SCAFFOLD(num_rounds=3, **small()), dm).fit_metrics
+    fedavg = fit_method(FedAvg(num_rounds=3, **small()), dm).fit_metrics
     assert scaffold["comm/bytes_up"] == 2 * fedavg["comm/bytes_up"] == 2 * 3 * 5 * 4 * P
     # round 0: the seed alone (c₀ = 0 does not travel); rounds 1, 2: x and c; the final model: x
     assert fedavg["comm/bytes_down"] == 5 * 8 + 2 * 5 * 4 * P + 5 * 4 * P
@@ -122,7 +124,7 @@ def test_on_one_class_per_client_it_beats_fedavgs_client_drift():
     dm.setup()
     results = {}
     for cls in (FedAvg, SCAFFOLD):
-        method = cls(num_rounds=10, local_epochs=5, seed=0, **SMALL)
+        method = cls(num_rounds=10, seed=0, **small(epochs=5))
         engine = fit64(method, dm)
         loss = F.cross_entropy(method(dm.train_features.double()), dm.train_labels).item()
         accuracy = engine.trainer.test(engine, datamodule=dm, verbose=False)[0]["test/acc"]
@@ -134,6 +136,6 @@ def test_on_one_class_per_client_it_beats_fedavgs_client_drift():
 
 def test_compression_is_not_an_option():
     with pytest.raises(TypeError):
-        SCAFFOLD(compression="topk")
+        SCAFFOLD(compression=Compression(kind="topk"))
     with pytest.raises(ValueError, match="lr"):
-        SCAFFOLD(lr=0.0)
+        SCAFFOLD(local=LocalTraining(lr=0.0))

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from test_fedavg import SMALL, centralized_sgd, data, fit64
+from test_fedavg import centralized_sgd, data, fit64, small
 
-from workbench.federation.local_training import scheduled_lr
-from workbench.methods import OSFED, FedAvg, FedProx
+from workbench.federation.local_training import LocalTraining, scheduled_lr
+from workbench.methods import OSFED, FedAvg, FedProx, Problem
 from workbench.methods.heads import build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -34,37 +34,38 @@ def test_cosine_and_step_schedules_are_the_formulas():
 def test_one_client_fedavg_is_torch_sgd_with_the_schedule_and_a_fresh_momentum_buffer_each_round(
         schedule, momentum, weight_decay):
     dm = data(num_clients=1)
-    method = FedAvg(num_rounds=3, local_epochs=2, seed=4, lr_schedule=schedule, lr_step_rounds=2, lr_gamma=0.3,
-                    momentum=momentum, weight_decay=weight_decay, **SMALL)
+    method = FedAvg(num_rounds=3, seed=4, **small(epochs=2, lr_schedule=schedule, lr_step_rounds=2, lr_gamma=0.3, momentum=momentum, weight_decay=weight_decay))
     fit64(method, dm)
     ours = method.flat_parameters()
     reference = centralized_sgd(dm, 3, lambda round_index: scheduled_lr(0.1, round_index, 3, schedule,
                                                                         step_rounds=2, gamma=0.3),
                                 momentum=momentum, weight_decay=weight_decay)
     assert (ours - reference).norm() <= 1e-6 * reference.norm()  # Δw crosses the wire as float32
-    constant = FedAvg(num_rounds=3, local_epochs=2, seed=4, momentum=momentum, weight_decay=weight_decay, **SMALL)
+    constant = FedAvg(num_rounds=3, seed=4, **small(epochs=2, momentum=momentum, weight_decay=weight_decay))
     fit64(constant, dm)
     assert (constant.flat_parameters() - reference).norm() > 1e-4 * reference.norm()  # the schedule matters
 
 
 def test_the_schedule_reaches_osfed_and_fedprox_clients():
-    for method in (OSFED(num_rounds=4, lr_schedule="cosine", **SMALL), FedProx(mu=0.1, num_rounds=4,
-                                                                              lr_schedule="step", **SMALL)):
-        settings = method.settings()
-        assert settings["lr_schedule"] == method.lr_schedule and settings["num_rounds"] == 4
+    for method in (OSFED(num_rounds=4, **small(lr_schedule="cosine")),
+                   FedProx(mu=0.1, num_rounds=4, **small(lr_schedule="step"))):
+        method.setup(Problem((8,), 4, 2))
+        half = method.client_half()
+        assert half.local is method.local and half.num_rounds == 4  # the one settings object, read
+        assert half.round_lr(3) == method.local.round_lr(3, 4) < method.local.lr
 
 
 def test_bad_schedule_settings_name_the_fix():
     with pytest.raises(ValueError, match="lr_schedule"):
-        FedAvg(lr_schedule="linear")
+        FedAvg(local=LocalTraining(lr_schedule="linear"))
     with pytest.raises(ValueError, match="momentum"):
-        FedAvg(momentum=1.0)
+        FedAvg(local=LocalTraining(momentum=1.0))
     with pytest.raises(ValueError, match="weight_decay"):
-        FedAvg(weight_decay=-1e-4)
+        FedAvg(local=LocalTraining(weight_decay=-1e-4))
     with pytest.raises(ValueError, match="lr_gamma"):
-        FedAvg(lr_schedule="step", lr_gamma=0.0)
+        FedAvg(local=LocalTraining(lr_schedule="step", lr_gamma=0.0))
     with pytest.raises(ValueError, match="lr_final_fraction"):
-        OSFED(lr_schedule="cosine", lr_final_fraction=2.0)
+        OSFED(local=LocalTraining(lr_schedule="cosine", lr_final_fraction=2.0))
 
 
 def test_scaffold_divides_by_the_rounds_own_step_size():
@@ -74,7 +75,7 @@ def test_scaffold_divides_by_the_rounds_own_step_size():
     from workbench.methods import SCAFFOLD, Problem
 
     dm = data(num_clients=4, partition="dirichlet", alpha=0.5)
-    method = SCAFFOLD(num_rounds=4, lr_schedule="cosine", seed=3, **{**SMALL, "local_batch_size": 600})
+    method = SCAFFOLD(num_rounds=4, seed=3, **small(batch_size=600, lr_schedule="cosine"))
     method.setup(Problem((8,), 4, 4))
     clients = LocalClients(method, dm.train_features.double(), dm.train_labels, dm.train_client_ids,
                            torch.unique(dm.train_client_ids), batch_size=64)
@@ -93,17 +94,15 @@ def test_scaffold_divides_by_the_rounds_own_step_size():
 
 def test_ditto_schedules_both_its_personal_and_its_global_steps(monkeypatch):
     from workbench.engines.local import LocalClients
-    from workbench.methods import Ditto, Problem
-    from workbench.methods import fedavg
+    from workbench.methods import Ditto, Problem, gradient
 
     dm = data(num_clients=3)
-    method = Ditto(lam=0.1, personal_lr=0.2, num_rounds=5, lr_schedule="step", lr_step_rounds=2, lr_gamma=0.5,
-                   momentum=0.9, **SMALL)
+    method = Ditto(lam=0.1, personal_lr=0.2, num_rounds=5, **small(lr_schedule="step", lr_step_rounds=2, lr_gamma=0.5, momentum=0.9))
     method.setup(Problem((8,), 4, 3))
     clients = LocalClients(method, dm.train_features, dm.train_labels, dm.train_client_ids,
                            torch.unique(dm.train_client_ids), batch_size=64)
     seen = []
-    original = fedavg.local_sgd
-    monkeypatch.setattr(fedavg, "local_sgd", lambda *a, **k: seen.append((k["lr"], k["momentum"])) or original(*a, **k))
+    original = gradient.local_sgd
+    monkeypatch.setattr(gradient, "local_sgd", lambda *a, **k: seen.append((k["lr"], k["momentum"])) or original(*a, **k))
     clients.half.client_update(3, {"weights": method.flat_parameters()}, clients.cohort(torch.arange(3)))
     assert seen == [(0.2 * 0.5, 0.9), (0.1 * 0.5, 0.9)]  # round 3: one halving; personal, then global

@@ -6,6 +6,7 @@ import torch
 
 from workbench.data import FederatedDataModule, SyntheticBlobs
 from workbench.federation import Federation, shamir
+from workbench.federation.local_training import LocalTraining
 from workbench.federation.secure_aggregation import (
     SecureAggregator,
     binomial_tail,
@@ -240,7 +241,7 @@ def test_afl_under_secagg_plus_with_dropouts_gives_the_plain_model_and_logs_its_
 def test_fedavg_rounds_under_secagg_plus_give_the_plain_model(fit_method):
     weights = []
     for graph in (None, "sparse"):
-        method = FedAvg(num_rounds=2, architecture="linear", lr=0.1, sample_fraction=0.75, seed=1)
+        method = FedAvg(num_rounds=2, architecture="linear", sample_fraction=0.75, seed=1, local=LocalTraining(lr=0.1))
         method.federation = (Federation(dropout=0.2, seed=4) if graph is None else Federation(
             dropout=0.2, seed=4, secure_aggregation=True, secure_aggregation_graph=graph, secagg_degree=6,
             secagg_threshold=3))

@@ -6,8 +6,16 @@ import torch
 
 from workbench.data import FederatedDataModule, SyntheticBlobs
 from workbench.federation import Federation
+from workbench.federation.local_training import LocalTraining
 from workbench.federation.secure_aggregation import (
-    RING_MASK, SecureAggregator, decode, encode, ring_add, ring_sub, ring_sum)
+    RING_MASK,
+    SecureAggregator,
+    decode,
+    encode,
+    ring_add,
+    ring_sub,
+    ring_sum,
+)
 from workbench.methods import AFL, OSFED, Cohort, DeepAFL, FedAvg, Problem
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -106,7 +114,7 @@ def test_gradient_updates_under_secure_aggregation_give_the_plain_model(fit_meth
     dm = data()
     weights = []
     for secure in (False, True):
-        method = FedAvg(num_rounds=3, architecture="linear", lr=0.1, sample_fraction=0.5, seed=1)
+        method = FedAvg(num_rounds=3, architecture="linear", sample_fraction=0.5, seed=1, local=LocalTraining(lr=0.1))
         method.federation = Federation(secure_aggregation=secure, dropout=0.25, seed=4)
         fit_method(method, dm)
         weights.append(method.flat_parameters())

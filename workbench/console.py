@@ -82,11 +82,22 @@ _NOISE = re.compile(r"^\s*(- )?(Expected a <class 'NoneType'>|Does not validate 
                     r"subtypes|Subtypes: |Errors:|Given value type: |Given value: |Expected a path but )")
 _UNKNOWN_CLASS = re.compile(r"Parser key \"(model|data)\".*?Expected a dot import path string: (\S+)", re.S)
 _UNKNOWN_OPTION = re.compile(r"class_path '([\w.]+)':\s*Option '(\w+)' is not accepted")
+_NOT_A_GROUP = re.compile(r"class_path '([\w.]+)':\s*Parser key \"(\w+)\":\s*Unable to load config")
 
 
-def condense_parse_error(message: str, choices: dict[str, list[str]], settings) -> str:
+def moved_message(class_name: str, found: dict[str, str]) -> str:
+    """The settings a config still gives under their workbench 0.2 names, each with its new key."""
+    moves = ", ".join(f"model.{old} is now model.{new}" for old, new in found.items())
+    return (f"{class_name}'s settings are grouped since workbench 0.3: {moves}; CHANGELOG.md lists every move "
+            f"(--print_config shows the new layout)")
+
+
+def condense_parse_error(message: str, choices: dict[str, list[str]], describe, given=None) -> str:
     """A config error in a few lines. `choices` names the classes each of `model`/`data` accepts;
-    `settings(class_path)` gives a class's setting names (for close matches)."""
+    `describe(class_path)` gives a class's setting names and its moved ones ({old: new key}), for
+    close matches and for the settings a config still names the old way; `given` are the model's
+    settings the command line and its config files give ({key: value}: every old one is listed
+    at once)."""
     import difflib
 
     unknown = _UNKNOWN_CLASS.search(message)
@@ -96,13 +107,19 @@ def condense_parse_error(message: str, choices: dict[str, list[str]], settings) 
         close = difflib.get_close_matches(name, choices[key], n=1, cutoff=0.5)
         return (f"unknown {kind} {name!r} (--{key}); choose one of: {', '.join(choices[key])}"
                 + (f" (did you mean {close[0]!r}?)" if close else ""))
-    option = _UNKNOWN_OPTION.search(message)
-    if option:
-        class_path, name = option.groups()
-        known = settings(class_path)
-        close = difflib.get_close_matches(name, known, n=1)
-        return (f"{class_path.rsplit('.', 1)[-1]} has no setting {name!r}"
-                + (f"; did you mean {close[0]!r}?" if close else "")
-                + f" Its settings: {', '.join(known)}")
+    option, group = _UNKNOWN_OPTION.search(message), _NOT_A_GROUP.search(message)
+    if option or group:
+        class_path, name = (option or group).groups()
+        known, moved = describe(class_path)
+        if name in moved:
+            given = given or {}
+            found = {old: new for old, new in moved.items() if old == name or old in given and (
+                old not in known or not isinstance(given[old], dict))}  # a group given a plain value
+            return moved_message(class_path.rsplit(".", 1)[-1], found)
+        if option:
+            close = difflib.get_close_matches(name, known, n=1)
+            return (f"{class_path.rsplit('.', 1)[-1]} has no setting {name!r}"
+                    + (f"; did you mean {close[0]!r}?" if close else "")
+                    + f" Its settings: {', '.join(known)}")
     kept = [line for line in message.splitlines() if line.strip() and not _NOISE.match(line)]
     return "\n".join(kept)

@@ -119,21 +119,61 @@ def newest_last_checkpoint(run_folder: Path, exclude: Path | None = None) -> Pat
     return max(found, key=number)
 
 
-def _settings(class_path: str) -> list[str]:
-    """The constructor's keyword names of the class at `class_path` (for close matches)."""
+def _describe(class_path: str) -> tuple[list[str], dict[str, str]]:
+    """The settings of the class at `class_path` (its keyword names, and those its `**kwargs`
+    pass on to its bases), and its settings of workbench 0.2 that moved ({old: new key})."""
     from importlib import import_module
 
     module, _, name = class_path.rpartition(".")
     try:
-        signature = inspect.signature(getattr(import_module(module), name))
+        cls = getattr(import_module(module), name)
     except (ImportError, AttributeError, ValueError):
-        return []
-    return [p.name for p in signature.parameters.values() if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD]
+        return [], {}
+    names: list[str] = []
+    for owner in inspect.getmro(cls):
+        if "__init__" not in vars(owner):
+            continue
+        parameters = inspect.signature(owner.__init__).parameters.values()
+        names += [p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+                  and p.name != "self" and p.name not in names]
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+            break
+    moved = {old: new for old, new in getattr(cls, "moved_settings", {}).items()
+             if new.split(".")[0] in names and old not in names or old in names and new.startswith(f"{old}.")}
+    return names, moved
+
+
+def _model_settings(args: list[str], cwd: Path) -> dict[str, object]:
+    """The model settings a command line run in `cwd` gives, by top-level key: `--model.KEY=VALUE`
+    flags (a nested `--model.KEY.SUB=...` gives a dict) and the keys under `model:` (or its
+    `init_args:`) of its `--config` files."""
+    import yaml
+
+    given: dict[str, object] = {}
+    for i, arg in enumerate(args):
+        if arg in ("--config", "-c") and i + 1 < len(args) or arg.startswith("--config="):
+            path = args[i + 1] if "=" not in arg else arg.split("=", 1)[1]
+            try:
+                model = (yaml.safe_load((cwd / path).read_text()) or {}).get("model") or {}
+            except (OSError, yaml.YAMLError, AttributeError):
+                continue
+            if isinstance(model, dict):
+                given.update({**model, **(model.get("init_args") or {})})
+        elif arg.startswith("--model."):
+            key, _, value = arg[len("--model."):].removeprefix("init_args.").partition("=")
+            name, _, sub = key.partition(".")
+            given[name] = {sub: value} if sub else value
+    return given
 
 
 class WorkbenchParser(LightningArgumentParser):
-    """A config error in a few lines (the valid choices, a close match) instead of every type the
-    parser tried and the whole usage; with --debug (`WORKBENCH_DEBUG=1`) the parser's own report."""
+    """A config error in a few lines (the valid choices, a close match, the new key of a moved
+    setting) instead of every type the parser tried and the whole usage; with --debug
+    (`WORKBENCH_DEBUG=1`) the parser's own report."""
+
+    #: the command line being parsed and where (`run` sets them; the parser changes the working
+    #: folder while it reads a config file): what a config error may list
+    given: tuple[list[str], Path] = ([], Path())
 
     def error(self, message: str, ex: Exception | None = None):
         if not self.exit_on_error or os.environ.get(DEBUG_ENV):
@@ -143,7 +183,8 @@ class WorkbenchParser(LightningArgumentParser):
         choices = {"model": [cls.__name__ for cls in method_classes()], "data": ["FederatedDataModule"]}
         print(f"usage: python -m workbench {command} --config FILE [--key=value ...]   "
               f"(python -m workbench {command} --help lists the keys)\n"
-              f"error: {condense_parse_error(message, choices, _settings)}", file=sys.stderr)
+              f"error: {condense_parse_error(message, choices, _describe, _model_settings(*WorkbenchParser.given))}",
+              file=sys.stderr)
         raise SystemExit(2)
 
 
@@ -297,6 +338,7 @@ def run(args: list[str] | None = None) -> WorkbenchCLI:
     """Parse `args` (default: the command line) and run the subcommand; returns the finished CLI
     (`.method`, `.model` the engine, `.datamodule`, `.trainer`)."""
     quiet_libraries()
+    WorkbenchParser.given = (list(sys.argv[1:] if args is None else args), Path.cwd())
     try:
         return WorkbenchCLI(
             LightningEngine, FederatedDataModule, parser_class=WorkbenchParser,

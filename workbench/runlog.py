@@ -13,6 +13,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger
 
 from workbench.files import write_text_atomically
 from workbench.console import SWEEP_ENV
+from workbench.settings import init_arguments, plain
 
 
 def _wandb_mode(requested: str) -> str:
@@ -144,12 +145,9 @@ def log_hparams(trainer, engine, datamodule, engine_name: str = "lightning") -> 
     method = engine.method
     engine._log_hyperparams = datamodule._log_hyperparams = False
     log_dir = trainer.log_dir  # read by every process: under DDP it is a broadcast
-    def public(hparams) -> dict:  # without the CLI's `_class_path`/`_instantiator` entries
-        return {key: value for key, value in hparams.items() if not key.startswith("_")}
-
-    hparams = {"model": {"class": type(method).__name__, **public(method.hparams_initial)},
-               "data": public(datamodule.hparams_initial),
-               "federation": vars(engine.federation),  # dropouts, secure aggregation, noise
+    hparams = {"model": {"class": type(method).__name__, **plain(init_arguments(method))},  # groups as dicts
+               "data": plain(init_arguments(datamodule)),
+               "federation": plain(engine.federation),  # dropouts, secure aggregation, noise
                "engine": engine_name, "processes": trainer.world_size,
                "sweep": sweep_name(),
                "run_folder": str(Path(log_dir).resolve()) if log_dir else None}

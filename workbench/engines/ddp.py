@@ -30,6 +30,8 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch import Tensor, nn
 
+from workbench.engines.local import LocalClients
+from workbench.engines.round import Replies, RoundRequest, add_metrics, layout_of
 from workbench.federation.secure_aggregation import ring_sum
 
 
@@ -116,24 +118,53 @@ def broadcast_module_state(module: nn.Module) -> None:
             torch.distributed.broadcast(tensor, src=0)
 
 
-def combine_replies(replies, spec, strategy, masked: bool):
+class ProcessClients:
+    """This process's whole clients (`LocalClients`) as one `Transport` of a multi-process round:
+    each process runs its own clients' step, and what reached the server is combined across the
+    processes (`combine_replies`), so every process runs the same server update on the same total."""
+
+    def __init__(self, local: LocalClients, strategy) -> None:
+        self.local, self.strategy = local, strategy
+
+    @property
+    def half(self):
+        return self.local.half
+
+    @property
+    def served(self) -> Tensor:
+        return self.local.served
+
+    def update(self, request: RoundRequest) -> Replies:
+        replies = self.local.update(request)
+        return combine_replies(replies, request.spec, self.strategy, request.secure is not None)
+
+    def finish(self, broadcast) -> tuple[dict[str, float], float]:
+        metric_sums, seconds = self.local.finish(broadcast)
+        total = sum_metrics(metric_sums, seconds, self.strategy)
+        return total, total.pop("__client_s")
+
+    def predict(self, features: Tensor, client_ids: Tensor) -> Tensor:
+        return self.local.predict(features, client_ids)
+
+
+def combine_replies(replies: Replies, spec, strategy, masked: bool) -> Replies:
     """One process's `Replies` -> every process's, combined: sums all-reduced, stacks gathered in
     client order (processes hold increasing client ids), masked ring sums summed in the ring."""
     import torch.distributed as dist
 
-    from workbench.engines.local import Replies, add_metrics
-
     world = strategy.world_size
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, (replies.one_client is not None and
-                                      {n: (tuple(v.shape), v.dtype) for n, v in replies.one_client.items()},
-                                      replies.metric_sums, replies.client_s))
-    layout = next((shapes for shapes, _, _ in gathered if shapes), None)
-    if layout is None:
+    mine_layout = replies.layout or (layout_of(replies.uploads) if replies.uploads else None)
+    dist.all_gather_object(gathered, (mine_layout is not None and
+                                      {n: (tuple(v.shape), v.dtype) for n, v in mine_layout.items()},
+                                      replies.metric_sums, replies.client_s, replies.bytes_up))
+    shapes = next((shapes for shapes, *_ in gathered if shapes), None)
+    if shapes is None:
         raise RuntimeError("no process received an upload this round")
-    one_client = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in layout.items()}
-    combined = Replies(one_client=one_client, client_s=sum(seconds for _, _, seconds in gathered))
-    for _, metrics, _ in gathered:
+    layout = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in shapes.items()}
+    combined = Replies(layout=layout, client_s=sum(seconds for _, _, seconds, _ in gathered),
+                       bytes_up=sum(sent for *_, sent in gathered))
+    for _, metrics, _, _ in gathered:
         add_metrics(combined.metric_sums, metrics)
     if masked:
         elements = replies.masked if replies.masked is not None else torch.zeros(0, dtype=torch.int64)
@@ -148,9 +179,9 @@ def combine_replies(replies, spec, strategy, masked: bool):
             mine = replies.uploads[name].cpu() if replies.uploads else None
             dist.all_gather_object(rows, mine)
             uploads[name] = torch.cat([part for part in rows if part is not None]).to(strategy.root_device)
-        else:
+        else:  # a process whose clients all dropped out adds zero
             mine = (replies.uploads[name] if replies.uploads
-                    else one_client[name].to(strategy.root_device))  # a process whose clients all dropped out adds zero
+                    else torch.zeros(layout[name].shape, dtype=layout[name].dtype))
             uploads[name] = sum_across_processes(mine.to(strategy.root_device), strategy)
     combined.uploads = uploads
     return combined
@@ -159,8 +190,6 @@ def combine_replies(replies, spec, strategy, masked: bool):
 def sum_metrics(metric_sums: dict[str, float], seconds: float, strategy) -> dict[str, float]:
     """Metric sums and seconds (as `__client_s`) summed over processes."""
     import torch.distributed as dist
-
-    from workbench.engines.local import add_metrics
 
     gathered: list = [None] * strategy.world_size
     dist.all_gather_object(gathered, {**metric_sums, "__client_s": seconds})

@@ -1,43 +1,40 @@
 """The in-process engine: a LightningModule that runs the rounds of any method.
 
-One Lightning epoch is one communication round. A round, whatever the transport:
+One Lightning epoch is one communication round: `workbench.engines.round.run_round` (plan, drop,
+mask, move, combine, count; a plain function) over this engine's transport — the clients of this
+process (`LocalClients`, vectorized over the cohort), a share of whole clients per process
+(`ddp.ProcessClients`, with `trainer.strategy=ddp`), or Flower SuperNodes (`FlowerClients`). The
+engine adds what Lightning is for: the loop, logging (`comm/*`, `time/*`, the method's and the
+protocol's metrics, the method's own steps), evaluation, checkpoints.
 
-1. the server plans it (`method.plan_round`: the cohort and its broadcast);
-2. the protocol drops a seeded fraction of the cohort (`federation.dropout`): those clients get
-   the broadcast and compute, but their uploads never arrive;
-3. the clients compute their uploads (`clients.update`: in this process by default, vectorized
-   over the cohort; over Flower a ClientApp per client), masked under secure aggregation;
-4. the server combines them (sum or stack, `workbench.federation.codec`), unmasks only the sum,
-   adds the privacy noise (`federation.dp_sigma`) and updates the model (`method.server_update`).
-
-With `federation.sample_rate` < 1 the cohort the server plans from is a seeded sample of the
-clients (`Federation.sampled_clients`). Under client-level DP (`federation.dp_clip`,
-`workbench.federation.privacy.ClientLevelDP`) the broadcast carries the clip norm, the clients
-clip, the server noises the clipped sum, and every round logs `privacy/epsilon` (the ε spent so
-far at `dp_delta`, from dp-accounting); a run whose final ε would exceed `target_epsilon` is
-refused before its first round. The current clip norm (adaptive clipping) is kept with the fit's
-running totals in checkpoints.
+With `federation.sample_rate` < 1 each round's cohort is a seeded sample of the clients
+(`Federation.sampled_clients`); `federation.dropout` drops a seeded share of it; under secure
+aggregation the clients mask their messages and the server sees only the sum; `dp_sigma` noises
+the aggregated statistics and client-level DP (`federation.dp_clip`) clips the clients' model
+updates and noises their sum, logging `privacy/epsilon` (the ε spent so far at `dp_delta`); a run
+whose final ε would exceed `target_epsilon` is refused before its first round
+(`workbench.federation.privacy.FitPrivacy`). The current clip norm (adaptive clipping) is kept
+with the fit's running totals in checkpoints.
 
 After the last round every client receives `method.final_broadcast()` and does its local work
-(`ClientHalf.finish`). The engine counts every message's bytes at the dtype sent
-(`comm/bytes_up`: each surviving client's upload; `comm/bytes_down`: the broadcast to each client
-of the cohort, and the final model to all K), times the clients and the server, logs `comm/*`,
-`time/*`, the method's own metrics and the accuracies, and stops after `num_rounds`.
+(`ClientHalf.finish`, `run_final`). The engine sums every message's bytes at the dtype sent
+(`comm/bytes_up`: each surviving client's message on the wire; `comm/bytes_down`: the broadcast to
+each client of the cohort, and the final model to all K), times the clients and the server, and
+stops after `num_rounds`.
 
 With several processes (`trainer.strategy=ddp`, `workbench.engines.ddp`) each process serves a
 disjoint set of whole clients; the partial sums (or stacks, or masked ring sums) are combined
-across processes before the server update, which every process runs on the same total.
+across processes by the transport, and every process runs the same server update on the same total.
 
 Checkpoints hold the global model (`method.*`), the round counter and the clients' own state
 (`client_half.*`), and under `workbench` the method's class and settings, the problem's shape and
 the fit's running totals (bytes, seconds), so a fit resumed from one continues exactly (its
 `comm/*` and `time/*` numbers too). A checkpoint of another method, settings or data shape is
 refused before anything is loaded; a resumed fit may ask for more rounds (`num_rounds`). Each
-round's aggregated uploads are checked for NaN/inf before the server solves or steps on them.
+round's aggregated uploads are checked for NaN/inf before the server solves or steps on it.
 """
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any
 
@@ -48,14 +45,13 @@ from torch import Tensor
 from torchmetrics.classification import MulticlassAccuracy
 
 from workbench.engines import ddp
-from workbench.engines.local import LocalClients, Replies
-from workbench.federation import Federation, codec, messages_bytes
-from workbench.federation.privacy import (ClientLevelDP, add_gaussian_noise, check_budget, clip_features,
-                                          composed_statistics_epsilon)
-from workbench.federation.protocol import NOISE_STREAM
-from workbench.federation.secure_aggregation import SecureAggregator, UploadLayout, secure_aggregator
+from workbench.engines.local import LocalClients
+from workbench.engines.round import FitProtocol, RoundResult, Transport, run_final, run_round
+from workbench.federation import Federation, codec
+from workbench.federation.privacy import clip_features
 from workbench.methods.base import FederatedMethod, Problem
 from workbench.runlog import save_per_client_table
+from workbench.settings import init_arguments, plain
 
 
 class LightningEngine(LightningModule):
@@ -68,7 +64,8 @@ class LightningEngine(LightningModule):
             (`LocalClients`); the Flower engine passes its SuperNodes.
     """
 
-    def __init__(self, method: FederatedMethod, federation: Federation | None = None, clients=None) -> None:
+    def __init__(self, method: FederatedMethod, federation: Federation | None = None,
+                 clients: Transport | None = None) -> None:
         super().__init__()
         if not isinstance(method, FederatedMethod):
             raise TypeError(f"the engine runs a workbench FederatedMethod, got {type(method).__name__}")
@@ -77,7 +74,7 @@ class LightningEngine(LightningModule):
         if federation is not None:  # else the method's own (default: none of the protocol's parts)
             self.federation = federation
         self.remote_clients = clients
-        self.clients = None
+        self.clients: Transport | None = None
         self.fit_metrics: dict[str, float] = {}
         self.local_accuracy: dict[str, list] | None = None
 
@@ -104,21 +101,25 @@ class LightningEngine(LightningModule):
             self.val_acc = MulticlassAccuracy(problem.num_classes, average="micro")
             self.test_acc = MulticlassAccuracy(problem.num_classes, average="micro")
             self.clients = self.remote_clients or self._local_clients(data)
-            if isinstance(self.clients, LocalClients):
-                self.client_half = self.clients.half  # a submodule: checkpoints keep the clients' state
+            local = self.clients.local if isinstance(self.clients, ddp.ProcessClients) else self.clients
+            if isinstance(local, LocalClients):
+                self.client_half = local.half  # a submodule: checkpoints keep the clients' state
                 # each process keeps its own clients' state: never synchronized across processes
                 self._ddp_params_and_buffers_to_ignore = [
                     f"client_half.{name}" for name, _ in self.client_half.named_parameters()] + [
                     f"client_half.{name}" for name, _ in self.client_half.named_buffers()]
 
-    def _local_clients(self, data) -> LocalClients:
+    def _local_clients(self, data) -> Transport:
+        """This process's clients: all of them, or with several processes its whole clients'
+        share, combined across the processes each round (`ddp.ProcessClients`)."""
         rows = slice(None)
-        if self.trainer.world_size > 1:  # this process's whole clients
+        if self.trainer.world_size > 1:
             rows = ddp.client_shard(data.train_client_ids, self.trainer.global_rank, self.trainer.world_size)
         client_ids = data.train_client_ids[rows]
-        return LocalClients(self.method, data.train_features[rows].to(self.device),
-                            data.train_labels[rows].to(self.device), client_ids.to(self.device),
-                            torch.unique(client_ids).to(self.device), data.hparams.batch_size)
+        local = LocalClients(self.method, data.train_features[rows].to(self.device),
+                             data.train_labels[rows].to(self.device), client_ids.to(self.device),
+                             torch.unique(client_ids).to(self.device), data.hparams.batch_size)
+        return ddp.ProcessClients(local, self.trainer.strategy) if self.trainer.world_size > 1 else local
 
     def _check_processes(self) -> None:
         strategy = self.trainer.strategy
@@ -151,8 +152,8 @@ class LightningEngine(LightningModule):
             raise ValueError("federation.feature_clip clips the rows of in-process clients; with a remote "
                              "transport, clip the features where the clients load them and set it to 0")
 
-    def configure_optimizers(self):
-        return None
+    def configure_optimizers(self) -> list:
+        return []  # the rounds update the model themselves: no optimizer (and nothing for Lightning to warn about)
 
     # ---- rounds -----------------------------------------------------------------------------
     def on_fit_start(self) -> None:
@@ -169,26 +170,8 @@ class LightningEngine(LightningModule):
         self._fit_start = time.perf_counter() - float(restored.get("fit_s", 0.0))
         self._totals.pop("fit_s", None)
         self._restored_totals = None
-        self._setup_privacy(self._totals.pop("dp_clip_norm", None))
-
-    def _setup_privacy(self, clip_norm: float | None) -> None:
-        """Client-level DP's server side (its clip norm as checkpointed, if resumed), how the ε spent
-        after r rounds is found (`epsilon_after`: the method's sensitivity is stated once per fit),
-        and the budget check before any round: the ε the configured rounds would spend."""
-        method, protocol = self.method, self.federation
-        self.dp = ClientLevelDP(protocol, len(self.available)) if protocol.client_level_dp else None
-        if self.dp is not None:
-            self.dp.clip_norm = clip_norm if clip_norm is not None else self.dp.clip_norm
-            self.epsilon_after = self.dp.epsilon
-        else:
-            sensitivity = method.statistics_sensitivity(protocol.feature_clip) if protocol.dp_sigma > 0 else None
-            self.epsilon_after = functools.partial(composed_statistics_epsilon, sensitivity, protocol)
-        epsilon = self.epsilon_after(method.num_rounds)
-        if protocol.target_epsilon is not None and epsilon is None:
-            raise ValueError(f"federation.target_epsilon needs a stated sensitivity: {type(method).__name__}'s "
-                             "statistics have none under feature_clip (or feature_clip is 0)")
-        if epsilon is not None:
-            check_budget(epsilon, protocol, f"{type(method).__name__} over {method.num_rounds} rounds")
+        self.protocol = FitProtocol.start(self.method, self.federation, len(self.available),
+                                          clip_norm=self._totals.pop("dp_clip_norm", None))
 
     def training_step(self, batch, batch_idx: int) -> None:
         """One round per epoch: the clients' data comes from the data module's training rows, not
@@ -202,110 +185,41 @@ class LightningEngine(LightningModule):
             self._finish()
 
     def _run_round(self) -> None:
-        method, protocol, totals = self.method, self.federation, self._totals
-        round_index = method.round
-        start = time.perf_counter()
-        plan = method.plan_round(protocol.sampled_clients(round_index, self.available))
-        if self.dp is not None:  # the clip norm travels with the model
-            plan.broadcast = {**plan.broadcast, **self.dp.broadcast()}
-        cohort = plan.clients.to(self.device)
-        dropped = protocol.dropped_clients(round_index, method.num_clients).to(self.device)[cohort]
-        survivors, lost = cohort[~dropped], cohort[dropped]
-        if len(survivors) == 0:
-            raise RuntimeError(f"every client dropped out of round {round_index} (federation.dropout = "
-                               f"{protocol.dropout}, sample_rate = {protocol.sample_rate}): lower the dropout "
-                               "or raise the sample rate")
-        secure = (secure_aggregator(protocol, cohort.tolist(), round_index, codec.symmetric_names(method.uploads))
-                  if protocol.secure_aggregation else None)
-        server_s = time.perf_counter() - start
-        replies = self.clients.update(round_index, plan.broadcast, survivors, lost, secure)
-        start = time.perf_counter()
-        uploads, replies, secure_s, privacy_metrics = self._aggregate(replies, secure, survivors)
-        per_client_up = (8 * secure.layout.length if secure is not None
-                         else method.upload_bytes_per_client(replies.one_client))
-        if per_client_up is None:
-            per_client_up = codec.upload_bytes(replies.one_client, method.uploads)
-        check_finite_uploads(uploads, round_index, type(method).__name__, survivors)
-        server_metrics = method.server_update(
-            uploads, len(survivors) if self.dp is None else self.dp.denominator(len(survivors)))
-        method.rounds_done += 1
+        result = run_round(self.method, self.clients, self.protocol, self.available)
         if self.trainer.world_size > 1:  # every process holds rank 0's model
-            ddp.broadcast_module_state(method)
-        server_s += time.perf_counter() - start - secure_s
-
-        totals["bytes_up"] += per_client_up * len(survivors)
-        totals["bytes_down"] += messages_bytes(plan.broadcast) * len(cohort)
-        totals["client_s"] += replies.client_s
-        totals["server_s"] += server_s
-        totals["secure_s"] += secure_s
-        if secure is not None:  # what the protocol cost: the clients' mask streams and shares, the server's streams
-            for name, value in secure.costs(survivors.tolist()).items():
-                totals[f"secagg_{name}"] = totals.get(f"secagg_{name}", 0) + value
-            self.fit_metrics.update({"comm/secagg_degree": float(secure.degree),
-                                     "comm/secagg_threshold": float(secure.threshold)})
-        client_metrics = {}  # means over the round's clients; times summed over clients and rounds
-        for name, value in replies.metric_sums.items():
-            if name.startswith("time/"):
-                totals[name] = client_metrics[name] = totals.get(name, 0.0) + value
-            else:
-                client_metrics[name] = value / len(survivors)
-        self.fit_metrics.update({**server_metrics, **client_metrics, **privacy_metrics,
-                                 "comm/clients_in_round": float(len(survivors)),
-                                 "comm/clients_dropped": float(len(lost))})
-        epsilon = self.epsilon_after(method.round)
-        if epsilon is not None:
-            self.fit_metrics["privacy/epsilon"] = epsilon
-        if self.dp is not None:
-            totals["dp_clip_norm"] = self.dp.clip_norm
+            ddp.broadcast_module_state(self.method)
+        self._add_round(result)
         self._set_totals()
         self._log_steps()
 
-    def _aggregate(self, replies: Replies, secure: SecureAggregator | None,
-                   survivors: Tensor) -> tuple[dict[str, Tensor], Replies, float, dict[str, float]]:
-        """The round's total as the server gets it: combined over clients (and processes),
-        unmasked under secure aggregation, with the server's noise under differential privacy;
-        and client-level DP's metrics."""
-        method, protocol, several = self.method, self.federation, self.trainer.world_size > 1
-        strategy = self.trainer.strategy
-        secure_s = 0.0
-        if several:
-            replies = ddp.combine_replies(replies, method.uploads, strategy, secure is not None)
-        if secure is not None:
-            start = time.perf_counter()
-            if secure.layout is None:  # a process whose clients all dropped out, or a remote transport
-                secure.layout = UploadLayout(replies.one_client, secure.symmetric)
-            total = replies.masked if replies.masked is not None else torch.zeros(secure.layout.length,
-                                                                                   dtype=torch.int64)
-            uploads = secure.unmask(total, uploaded=survivors.tolist())
-            uploads = {name: value.to(self.device) for name, value in uploads.items()}
-            secure_s = time.perf_counter() - start
-        else:
-            uploads = replies.uploads
-        privacy_metrics = {}
-        if protocol.dp_sigma > 0:
-            uploads = add_gaussian_noise(uploads, protocol.dp_sigma, protocol.generator(method.round, NOISE_STREAM),
-                                         symmetric=codec.symmetric_names(method.uploads))
-        if self.dp is not None:
-            uploads, privacy_metrics = self.dp.privatize(uploads, protocol.generator(method.round, NOISE_STREAM))
-        return uploads, replies, secure_s, privacy_metrics
+    def _add_round(self, result: RoundResult) -> None:
+        """The round's numbers into the fit's running totals and this round's metrics."""
+        totals = self._totals
+        totals["bytes_up"] += result.bytes_up
+        totals["bytes_down"] += result.bytes_down
+        totals["client_s"] += result.client_s
+        totals["server_s"] += result.server_s
+        totals["secure_s"] += result.secure_s
+        for name, value in result.secagg_costs.items():  # the clients' mask streams and shares, the server's streams
+            totals[f"secagg_{name}"] = totals.get(f"secagg_{name}", 0) + value
+        times = {}  # the clients' time/* metrics: totals over the clients and rounds
+        for name, value in result.client_time_sums.items():
+            totals[name] = times[name] = totals.get(name, 0.0) + value
+        self.fit_metrics.update({**result.metrics, **times})
+        if self.protocol.privacy.clip_norm is not None:
+            totals["dp_clip_norm"] = self.protocol.privacy.clip_norm
 
     def _finish(self) -> None:
         """The final broadcast to every client, and their local work on it."""
-        method, totals = self.method, self._totals
-        final = method.final_broadcast()
-        metric_sums, client_s = self.clients.finish(final)
-        if self.trainer.world_size > 1:
-            metric_sums = ddp.sum_metrics(metric_sums, client_s, self.trainer.strategy)
-            client_s = metric_sums.pop("__client_s")
-        totals["bytes_down"] += messages_bytes(final) * method.num_clients
-        totals["client_s"] += client_s
+        final = run_final(self.method, self.clients)
+        self._totals["bytes_down"] += final.bytes_down
+        self._totals["client_s"] += final.client_s
         served = max(len(self.available), 1)
-        self.fit_metrics.update({name: value / served for name, value in metric_sums.items()})
-        if client_s > 0:
-            self.fit_metrics["time/local_s"] = client_s
+        self.fit_metrics.update({name: value / served for name, value in final.metric_sums.items()})
+        if final.client_s > 0:
+            self.fit_metrics["time/local_s"] = final.client_s
         self._set_totals()
         self.fit_metrics["time/fit_s"] = time.perf_counter() - self._fit_start
-        method.finished.fill_(True)
 
     def _set_totals(self) -> None:
         totals, method = self._totals, self.method
@@ -420,12 +334,11 @@ class LightningEngine(LightningModule):
         method, problem = self.method, self.method.problem
         return {
             "method": f"{type(method).__module__}.{type(method).__qualname__}",
-            "settings": {key: _plain(value) for key, value in method.hparams_initial.items()
-                         if not key.startswith("_")},
+            "settings": plain(init_arguments(method)),
             "problem": None if problem is None else {"input_shape": list(problem.input_shape),
                                                      "num_classes": problem.num_classes,
                                                      "num_clients": problem.num_clients},
-            "federation": {key: _plain(value) for key, value in vars(self.federation).items()},
+            "federation": plain(self.federation),
         }
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -455,19 +368,6 @@ class LightningEngine(LightningModule):
         self.method.before_restore(state)
 
 
-def _plain(value: Any) -> Any:
-    """A setting as plain data (numbers, strings, lists, dicts) for a checkpoint and comparisons."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if hasattr(value, "__dataclass_fields__"):
-        return {name: _plain(getattr(value, name)) for name in value.__dataclass_fields__}
-    return repr(value)
-
-
 def check_checkpoint_matches(saved: dict, configured: dict, *, resuming: bool) -> None:
     """One error naming what differs between a checkpoint and the configured run. A resumed fit
     may run more rounds than the checkpointed one (`num_rounds`); the protocol only matters there."""
@@ -492,16 +392,3 @@ def check_checkpoint_matches(saved: dict, configured: dict, *, resuming: bool) -
     if diffs:
         raise ValueError("the checkpoint does not match the config (" + "; ".join(diffs) + "): pass the "
                          "config it was made with (its run folder's config.yaml), or fit afresh")
-
-
-def check_finite_uploads(uploads: dict[str, Tensor], round_index: int, method: str, clients: Tensor) -> None:
-    """An aggregated upload holding NaN/inf is an error before the server solves or steps on it."""
-    for name, value in uploads.items():
-        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-            bad = int((~torch.isfinite(value)).sum())
-            shown = clients.tolist()
-            shown = shown if len(shown) <= 10 else [*shown[:10], "..."]
-            raise FloatingPointError(
-                f"round {round_index}: {method}'s aggregated upload '{name}' holds {bad} non-finite "
-                f"value{'s' if bad != 1 else ''} (NaN/inf) from clients {shown}; no model was fitted on it: "
-                "check those clients' data, or lower the step size / raise the regularization")

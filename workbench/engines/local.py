@@ -1,61 +1,27 @@
 """Clients in this process: one client half serves a set of whole clients, vectorized.
 
 The in-process and multi-process engines run their clients through `LocalClients`: a round's
-cohort is one `client_update` call over every asked client this process serves (the speed of a
+cohort is one `client_step` over every asked client this process serves (the speed of a
 vectorized round: 1000 clients cost little more than 10). Under secure aggregation each client
-must mask its own upload, so the clients run one by one. Dropped clients run too (their own
+must mask its own message, so the clients run one by one. Dropped clients run too (their own
 state stays current, e.g. DeepAFL's Φ) but what they send is lost.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from workbench.federation import codec
+from workbench.engines.round import Replies, RoundRequest, add_metrics, layout_of
+from workbench.federation.client_step import client_step
 from workbench.federation.privacy import clip_features
-from workbench.federation.secure_aggregation import SecureAggregator
-from workbench.methods.base import ClientHalf, Cohort, FederatedMethod, check_upload_names
-
-
-@dataclass
-class Replies:
-    """What reached the server from one round's surviving clients (of this process).
-
-    uploads: their combined plain uploads (summed / stacked in client order), or None when masked;
-    masked: the ring sum of their masked messages under secure aggregation, else None;
-    one_client: one client's upload shapes (zeros; for the byte count and the mask layout);
-    metric_sums: the clients' metrics summed over them; client_s: the clients' compute seconds.
-    """
-
-    uploads: dict[str, Tensor] | None = None
-    masked: Tensor | None = None
-    one_client: dict[str, Tensor] | None = None
-    metric_sums: dict[str, float] = field(default_factory=dict)
-    client_s: float = 0.0
-
-    def keep_uploads(self, uploads: Mapping[str, Tensor], spec: Mapping) -> None:
-        """The combined plain uploads, and one client's shapes of them (`one_client`)."""
-        self.uploads = dict(uploads)
-        self.one_client = zeros_like(codec.one_client(self.uploads, spec))
-
-
-def zeros_like(upload: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """An upload's layout (names, shapes, dtypes) as zeros."""
-    return {name: torch.zeros_like(value) for name, value in upload.items()}
-
-
-def add_metrics(total: dict[str, float], metrics: Mapping[str, float]) -> dict[str, float]:
-    for name, value in metrics.items():
-        total[name] = total.get(name, 0.0) + float(value)
-    return total
+from workbench.methods.base import ClientHalf, Cohort, FederatedMethod
 
 
 class LocalClients:
-    """The clients `served` (sorted ids), with their training rows, in this process.
+    """The clients `served` (sorted ids), with their training rows, in this process (a `Transport`).
 
     features: (n, *input_shape), labels: (n,), client_ids: (n,) ordered by client: the rows of
     the served clients only. The client half is `self.half` (a module the engine registers, so
@@ -92,28 +58,31 @@ class LocalClients:
                           data.sample_index[rows], data.batch_size)
         return self.data.of(clients)
 
-    def update(self, round_index: int, broadcast: Mapping[str, Tensor], survivors: Tensor, lost: Tensor,
-               secure: SecureAggregator | None) -> Replies:
-        """Runs the round on this process's `survivors` (whose uploads count) and `lost` (dropped:
-        they compute, their uploads never arrive)."""
-        spec, replies = self.method.uploads, Replies()
+    def step(self, request: RoundRequest, clients: Tensor):
+        """The client step of `clients` (sorted ids this process serves) in `request`'s round."""
+        return client_step(self.half, self.method.uploads, request.round_index, request.broadcast,
+                           self.cohort(clients), request.clip_norm)
+
+    def update(self, request: RoundRequest) -> Replies:
+        """Runs the round on this process's survivors (whose uploads count) and lost clients
+        (dropped: they compute, their uploads never arrive)."""
+        replies, secure = Replies(), request.secure
         start = time.perf_counter()
-        mine = self._mine(survivors)
-        if len(lost_here := self._mine(lost)):
-            self.half.client_update(round_index, broadcast, self.cohort(lost_here))
+        mine = self._mine(request.survivors)
+        if len(lost_here := self._mine(request.lost)):
+            self.step(request, lost_here)
         if secure is None:
             if len(mine):
-                uploads, metrics = self.half.client_update(round_index, broadcast, self.cohort(mine))
-                check_upload_names(self.method, uploads)
-                replies.keep_uploads(uploads, spec)
-                replies.metric_sums = dict(metrics)
+                message = self.step(request, mine)
+                replies.uploads, replies.metric_sums, replies.bytes_up = (message.uploads, message.metrics,
+                                                                          message.bytes_up)
         else:
             for client in mine:
-                upload, metrics = self.half.client_update(round_index, broadcast, self.cohort(client[None]))
-                check_upload_names(self.method, upload)
-                secure.add(int(client), upload)
-                add_metrics(replies.metric_sums, metrics)
-                replies.one_client = replies.one_client or zeros_like(upload)
+                message = self.step(request, client[None])
+                secure.add(int(client), message.uploads)
+                add_metrics(replies.metric_sums, message.metrics)
+                replies.layout = replies.layout or layout_of(message.uploads)
+                replies.bytes_up += secure.bytes_per_client
             replies.masked = secure.total
         replies.client_s = time.perf_counter() - start
         return replies
@@ -127,7 +96,7 @@ class LocalClients:
             return {}, 0.0
         start = time.perf_counter()
         metrics = self.half.finish(broadcast, self.data)
-        return dict(metrics), time.perf_counter() - start
+        return {name: float(value) for name, value in metrics.items()}, time.perf_counter() - start
 
     def predict(self, features: Tensor, client_ids: Tensor) -> Tensor:
         """Each sample under its own client's model (personalized methods)."""

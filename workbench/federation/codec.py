@@ -1,40 +1,126 @@
-"""What a message costs and how it travels, read from a method's upload spec.
+"""The upload spec, and what a message costs and how it travels.
 
-Every tensor that crosses the wire costs `numel × itemsize` of the dtype it is sent in; a
-symmetric matrix (`Upload(symmetric=True)`) is sent as its upper triangle, d(d+1)/2 numbers; a
-stacked upload (`Upload(stacked=True)`) costs one client's row. A transport packs messages with
-`pack` (symmetric -> upper triangle) and the receiver restores them with `unpack`.
+A method declares its uploads (`FederatedMethod.uploads`): for each named upload an `Upload`
+saying how the clients' copies combine and how one client's copy is sent. Everything that counts,
+packs, masks or noises uploads reads that spec here, outside the method:
+
+- every tensor that crosses the wire costs `numel × itemsize` of the dtype it is sent in; a
+  symmetric matrix (`Upload(symmetric=True)`) is sent as its upper triangle, d(d+1)/2 numbers; a
+  stacked upload (`Upload(stacked=True)`) costs one client's row; an upload with an `encoding`
+  (top-k values and indices, low-bit codes, a stand-in for a message the simulation does not
+  form) costs what the encoding says;
+- a model update (`Upload(model_update=True)`) comes from the client half as one row per client;
+  the protocol clips those rows under client-level DP (`workbench.federation.client_step`) and
+  sends their sum;
+- a transport packs messages with `pack` (symmetric -> upper triangle) and the receiver restores
+  them with `unpack`.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from workbench.federation.messages import messages_bytes
+from workbench.federation.messages import message_bytes
 from workbench.linalg import packed_symmetric_numel
 
 
-def symmetric_names(spec: Mapping) -> frozenset[str]:
+class Encoding(Protocol):
+    """How one client's copy of an upload is sent when not as its dense tensor."""
+
+    def wire_bytes(self, value: Tensor) -> int:
+        """Bytes one client sends for `value`, its copy of the upload."""
+        ...
+
+
+@dataclass(frozen=True)
+class Upload:
+    """How the clients' copies of one named upload travel and combine.
+
+    stacked: False: summed over the clients (one client's shape); True: one leading row per
+        client, concatenated in client order (e.g. OS-FED's snapshots).
+    symmetric: a symmetric (..., d, d) matrix, sent as its upper triangle.
+    model_update: the client half returns one row per client (m, ...): the update the protocol
+        clips under client-level DP (all model-update uploads of a client as one vector) before
+        the rows are summed; on the wire it is summed like any other.
+    encoding: what one client's copy costs when it is not sent dense (None: dense, or packed
+        when symmetric).
+    """
+
+    stacked: bool = False
+    symmetric: bool = False
+    model_update: bool = False
+    encoding: Encoding | None = None
+
+
+SUMMED, SYMMETRIC, STACKED = Upload(), Upload(symmetric=True), Upload(stacked=True)
+MODEL_UPDATE = Upload(model_update=True)
+
+Spec = Mapping[str, Upload]
+
+
+@dataclass(frozen=True)
+class WireSize:
+    """An encoding of a fixed size per client (0: an upload that is not part of the protocol)."""
+
+    bytes: int
+
+    def wire_bytes(self, value: Tensor) -> int:
+        return self.bytes
+
+
+@dataclass(frozen=True)
+class SentAs:
+    """An upload sent in another dtype than it is computed in (e.g. float32 from a float64 run)."""
+
+    dtype: torch.dtype
+
+    def wire_bytes(self, value: Tensor) -> int:
+        return value.numel() * torch.empty((), dtype=self.dtype).element_size()
+
+
+FLOAT32 = SentAs(torch.float32)
+
+
+def symmetric_names(spec: Spec) -> frozenset[str]:
     """The upload names sent as upper triangles."""
     return frozenset(name for name, upload in spec.items() if upload.symmetric)
 
 
-def stacked_names(spec: Mapping) -> frozenset[str]:
+def stacked_names(spec: Spec) -> frozenset[str]:
     """The upload names combined as one row per client."""
     return frozenset(name for name, upload in spec.items() if upload.stacked)
 
 
-def one_client(uploads: Mapping[str, Tensor], spec: Mapping) -> dict[str, Tensor]:
+def model_update_names(spec: Spec) -> list[str]:
+    """The upload names that are a client's model update (clipped together under client-level DP)."""
+    return [name for name, upload in spec.items() if upload.model_update]
+
+
+def one_client(uploads: Mapping[str, Tensor], spec: Spec) -> dict[str, Tensor]:
     """One client's upload shapes from a round's combined uploads: a stacked upload keeps its
     first row (a leading axis of 1, as one client sends it); a summed one is one client's shape."""
     return {name: value[:1] if spec[name].stacked else value for name, value in uploads.items()}
 
 
-def upload_bytes(uploads: Mapping[str, Tensor], spec: Mapping) -> int:
+def client_bytes(upload: Mapping[str, Tensor], spec: Spec) -> int:
+    """Bytes one client sends for its upload (one client's shapes, as `one_client` gives them)."""
+    total = 0
+    for name, value in upload.items():
+        entry = spec[name]
+        if entry.encoding is not None:
+            total += entry.encoding.wire_bytes(value)
+        else:
+            total += message_bytes(value, symmetric=entry.symmetric)
+    return total
+
+
+def upload_bytes(uploads: Mapping[str, Tensor], spec: Spec) -> int:
     """Bytes one client sends for the round whose combined uploads are `uploads`."""
-    return messages_bytes(one_client(uploads, spec), symmetric_names(spec))
+    return client_bytes(one_client(uploads, spec), spec)
 
 
 def pack(message: Mapping[str, Tensor], symmetric: frozenset[str]) -> dict[str, Tensor]:
@@ -66,7 +152,7 @@ def unpack(message: Mapping[str, Tensor], symmetric: frozenset[str]) -> dict[str
     return full
 
 
-def combine(total: dict[str, Tensor], uploads: Mapping[str, Tensor], spec: Mapping) -> dict[str, Tensor]:
+def combine(total: dict[str, Tensor], uploads: Mapping[str, Tensor], spec: Spec) -> dict[str, Tensor]:
     """Adds one cohort's uploads to a round's running total: summed, or stacked after the rows
     already there (callers add cohorts in client order)."""
     for name, value in uploads.items():

@@ -18,7 +18,7 @@ each parameter tensor (in the flat order), so per-tensor scales are possible.
   scaled sign of error-feedback signSGD, Karimireddy et al., ICML 2019): ceil(numel/8) bytes
   plus one float32 scale per tensor.
 
-Error feedback (`ErrorFeedback`) keeps, per client, what compression lost and adds it to
+Error feedback (`Residuals`, set by `ErrorFeedback`) keeps, per client, what compression lost and adds it to
 the next round's update: target = update + e, e ← target − reconstruction. It stays bounded
 when the compressor is contractive, ‖C(x) − x‖² ≤ (1 − δ) ‖x‖² with δ > 0 (then
 ‖e‖ ≤ √(1−δ) / (1 − √(1−δ)) · max ‖update‖). Top-k (δ ≥ k/P) and the scaled sign (δ ≥ 1/n per
@@ -31,12 +31,18 @@ entry as lo or hi. So FedAvg refuses min-max quantization below 4 bits with erro
 `quantize_symmetric`, or `sign` for 1 bit). For compressors that are not (OS-FED's snapshots), `ErrorFeedback`
 offers two guards beside the plain form: a bound ‖e_k‖ ≤ c · ‖update_k‖ (the residual is
 rescaled onto it) and a decay e ← γ · e.
+
+The settings are two frozen dataclasses, read by the command line as nested keys:
+`compression` (`Compression`: kind, topk_fraction, quantize_bits, quantize_symmetric) and
+`error_feedback` (`ErrorFeedback`: enabled, bound, decay).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -69,6 +75,10 @@ class Compressor:
 
     def bytes_per_client(self) -> int:
         return FLOAT_BYTES * self.numel
+
+    def wire_bytes(self, value: Tensor) -> int:
+        """One client's message (a `codec.Encoding`: the compressed update's bytes, whatever `value`)."""
+        return self.bytes_per_client()
 
 
 Dense = Compressor
@@ -147,27 +157,66 @@ class ScaledSign(Compressor):
 COMPRESSIONS = ("none", "topk", "quantize", "sign")
 
 
-def build_compressor(
-    name: str, sizes: Sequence[int], *, topk_fraction: float = 0.01, quantize_bits: int = 8,
-    quantize_symmetric: bool = False,
-) -> Compressor:
-    """`none` (dense float32), `topk`, `quantize` (min-max or symmetric) or `sign` (scaled sign)."""
-    if name == "none":
+@dataclass(frozen=True)
+class Compression:
+    """How a client's update is compressed for the wire.
+
+    kind: `none` (dense float32), `topk`, `quantize` or `sign` (scaled sign, 1 bit per entry).
+    topk_fraction: share of the P entries `topk` keeps; quantize_bits: bits per entry of
+        `quantize`; quantize_symmetric: levels symmetric about 0 (contractive) instead of min-max.
+    """
+
+    kind: Literal["none", "topk", "quantize", "sign"] = "none"
+    topk_fraction: float = 0.01
+    quantize_bits: int = 8
+    quantize_symmetric: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in COMPRESSIONS:
+            raise ValueError(f"unknown compression.kind {self.kind!r}; choose one of {', '.join(COMPRESSIONS)}")
+        if not 0 < self.topk_fraction <= 1 or not 1 <= self.quantize_bits <= 16:
+            raise ValueError(f"compression.topk_fraction must be in (0, 1] and compression.quantize_bits in 1..16, "
+                             f"got {self.topk_fraction} and {self.quantize_bits}")
+        if self.kind == "quantize" and self.quantize_symmetric and self.quantize_bits < 2:
+            raise ValueError("symmetric quantization needs compression.quantize_bits ≥ 2; for 1 bit use "
+                             "compression.kind=sign")
+
+    @property
+    def lossy(self) -> bool:
+        return self.kind != "none"
+
+    def build(self, sizes: Sequence[int]) -> Compressor:
+        """The compressor of a model whose parameter tensors have `sizes` entries."""
+        if self.kind == "topk":
+            return TopK(sizes, self.topk_fraction)
+        if self.kind == "quantize":
+            return Quantize(sizes, self.quantize_bits, self.quantize_symmetric)
+        if self.kind == "sign":
+            return ScaledSign(sizes)
         return Dense(sizes)
-    if name == "topk":
-        return TopK(sizes, topk_fraction)
-    if name == "quantize":
-        return Quantize(sizes, quantize_bits, quantize_symmetric)
-    if name == "sign":
-        return ScaledSign(sizes)
-    raise ValueError(f"unknown compression {name!r}; choose one of {', '.join(COMPRESSIONS)}")
 
 
-def check_feedback_guard(bound: float | None, decay: float) -> None:
-    """One clear error for a bad error-feedback guard."""
-    if (bound is not None and not bound >= 0) or not 0 <= decay <= 1:
-        raise ValueError(f"error_feedback_bound must be None or ≥ 0 and error_feedback_decay in [0, 1], "
-                         f"got {bound} and {decay}")
+@dataclass(frozen=True)
+class ErrorFeedback:
+    """Each client's carry of what its lossy upload lost into its next upload.
+
+    enabled: carry it (e_k ← target − sent; target = update + e_k).
+    bound: c, keep ‖e_k‖ ≤ c · ‖update_k‖ (None: the plain, unbounded form).
+    decay: γ ∈ [0, 1], e ← γ e (1: the plain form).
+    """
+
+    enabled: bool = True
+    bound: float | None = None
+    decay: float = 1.0
+
+    def __post_init__(self) -> None:
+        if (self.bound is not None and not self.bound >= 0) or not 0 <= self.decay <= 1:
+            raise ValueError(f"error_feedback.bound must be None or ≥ 0 and error_feedback.decay in [0, 1], "
+                             f"got {self.bound} and {self.decay}")
+
+    def residuals(self, numel: int) -> Residuals:
+        """The clients' residuals of an upload of `numel` entries, with this guard."""
+        return Residuals(numel, bound=self.bound, decay=self.decay)
 
 
 def guarded_residual(residual: Tensor, updates: Tensor, *, bound: float | None, decay: float) -> Tensor:
@@ -181,17 +230,17 @@ def guarded_residual(residual: Tensor, updates: Tensor, *, bound: float | None, 
     return residual
 
 
-class ErrorFeedback(nn.Module):
-    """Per-client residuals e (P,) of a lossy upload, kept across rounds (checkpointed) for the
-    clients that have uploaded (`residuals`, a `ClientTable`: a client never sampled has e = 0 and
-    holds no row).
+class Residuals(nn.Module):
+    """Error feedback's per-client residuals e (P,) of a lossy upload, kept across rounds
+    (checkpointed) for the clients that have uploaded (`residuals`, a `ClientTable`: a client never
+    sampled has e = 0 and holds no row).
 
     bound: c, keep ‖e_k‖ ≤ c · ‖update_k‖ (None: the plain form); decay: γ, e ← γ · e.
     """
 
     def __init__(self, numel: int, *, bound: float | None = None, decay: float = 1.0) -> None:
         super().__init__()
-        check_feedback_guard(bound, decay)
+        ErrorFeedback(bound=bound, decay=decay)  # the same checks
         self.bound, self.decay = bound, decay
         self.residuals = ClientTable(torch.zeros(numel))
 
@@ -209,7 +258,7 @@ class ErrorFeedback(nn.Module):
         residual = target - sent
         if self.bound is not None or self.decay != 1:
             if updates is None and self.bound is not None:
-                raise ValueError("ErrorFeedback.keep needs the fresh updates to apply error_feedback_bound")
+                raise ValueError("Residuals.keep needs the fresh updates to apply the error feedback's bound")
             residual = guarded_residual(residual, updates, bound=self.bound, decay=self.decay)
         self.residuals.write(clients, residual)
         return residual

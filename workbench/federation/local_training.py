@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -132,16 +134,49 @@ def scheduled_lr(lr: float, round_index: int, num_rounds: int, schedule: str = "
     raise ValueError(f"unknown lr_schedule {schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
 
 
-def check_schedule(schedule: str, *, final_fraction: float, step_rounds: int, gamma: float,
-                   momentum: float, weight_decay: float) -> None:
-    """One clear error for a bad local-training setting."""
-    if schedule not in LR_SCHEDULES:
-        raise ValueError(f"unknown lr_schedule {schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
-    if not 0 <= final_fraction <= 1 or step_rounds < 1 or not 0 < gamma <= 1:
-        raise ValueError(f"lr_final_fraction must be in [0, 1], lr_step_rounds ≥ 1 and lr_gamma in (0, 1], "
-                         f"got {final_fraction}, {step_rounds} and {gamma}")
-    if not 0 <= momentum < 1 or weight_decay < 0:
-        raise ValueError(f"momentum must be in [0, 1) and weight_decay ≥ 0, got {momentum} and {weight_decay}")
+@dataclass(frozen=True)
+class LocalTraining:
+    """How every sampled client trains from the model it received: local minibatch SGD (the
+    settings of the gradient methods' `local`, one source for FedAvg, FedProx, FedAvgM, Ditto,
+    SCAFFOLD and OS-FED).
+
+    epochs: passes over the client's data per round; lr: the step size at round 0; batch_size: B.
+    lr_schedule: `constant`, `cosine` (lr → lr_final_fraction · lr over the fit's rounds) or
+        `step` (× lr_gamma every lr_step_rounds rounds): a function of the round index only
+        (`scheduled_lr`), so every client uses the same wherever it runs.
+    momentum, weight_decay: as `torch.optim.SGD` takes them (the momentum buffer starts at 0 every
+        round).
+    """
+
+    epochs: int = 1
+    lr: float = 0.05
+    batch_size: int = 64
+    lr_schedule: Literal["constant", "cosine", "step"] = "constant"
+    lr_final_fraction: float = 0.0
+    lr_step_rounds: int = 1
+    lr_gamma: float = 0.1
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.batch_size < 1:
+            raise ValueError(f"local.epochs and local.batch_size must be ≥ 1, got {self.epochs} and {self.batch_size}")
+        if not self.lr > 0:
+            raise ValueError(f"local.lr must be > 0, got {self.lr}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"unknown local.lr_schedule {self.lr_schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
+        if not 0 <= self.lr_final_fraction <= 1 or self.lr_step_rounds < 1 or not 0 < self.lr_gamma <= 1:
+            raise ValueError(f"local.lr_final_fraction must be in [0, 1], local.lr_step_rounds ≥ 1 and local.lr_gamma "
+                             f"in (0, 1], got {self.lr_final_fraction}, {self.lr_step_rounds} and {self.lr_gamma}")
+        if not 0 <= self.momentum < 1 or self.weight_decay < 0:
+            raise ValueError(f"local.momentum must be in [0, 1) and local.weight_decay ≥ 0, got {self.momentum} and "
+                             f"{self.weight_decay}")
+
+    def round_lr(self, round_index: int, num_rounds: int, lr: float | None = None) -> float:
+        """The step size at round t of `num_rounds` under the schedule, from `lr` (default `self.lr`)."""
+        return scheduled_lr(self.lr if lr is None else lr, round_index, num_rounds, self.lr_schedule,
+                            final_fraction=self.lr_final_fraction, step_rounds=self.lr_step_rounds,
+                            gamma=self.lr_gamma)
 
 
 def _per_client(value: Tensor | None, default: Tensor, m: int, name: str) -> tuple[Tensor, bool]:

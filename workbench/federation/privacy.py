@@ -23,13 +23,16 @@ eigenvalue of a d × d symmetric Gaussian E is about −2σ√d. A ridge γ_out 
 below 1e-6 (see `safe_ridge`).
 
 Client-level DP (DP-FedAvg: McMahan et al., ICLR 2018; adaptive clipping: Andrew et al.,
-NeurIPS 2021), for methods whose clients upload summed updates (`FederatedMethod.clips_updates`).
+NeurIPS 2021), for methods whose clients upload model updates (`FederatedMethod.clips_updates`).
 Each round, with the cohort drawn by `Federation.sampled_clients` (rate q of the N clients):
 
-1. the server broadcasts the clip norm C (`CLIP_NORM`);
-2. each client clips its update, all its summed uploads as one vector u_i, to
-   u_i · min(1, C/‖u_i‖) (`clip_client_updates`) and, with it, uploads b_i = 1[‖u_i‖ ≤ C]
-   (`WITHIN_CLIP`): so clipping composes with secure aggregation, the server never sees a u_i;
+1. the server sends the clip norm C with the round (the protocol's part of the message, beside
+   the method's broadcast);
+2. each client clips its update, all its model-update uploads (`Upload(model_update=True)`) as one
+   vector u_i, to u_i · min(1, C/‖u_i‖) (`clip_client_updates`, applied by the protocol's client
+   step `workbench.federation.client_step`, outside the method) and, with it, uploads
+   b_i = 1[‖u_i‖ ≤ C] (`WITHIN_CLIP`): so clipping composes with secure aggregation, the server
+   never sees a u_i;
 3. the server adds N(0, (zC)²) to every coordinate of the clipped sum and, under adaptive
    clipping, N(0, σ_b²) to Σ b_i, and moves C ← C · exp(−η_C (b̃ − γ)), b̃ = noised Σ b_i / E[m]
    (`ClientLevelDP.privatize`); with Poisson sampling the method averages by the fixed E[m] = qN.
@@ -51,9 +54,9 @@ from collections.abc import Collection, Mapping
 import torch
 from torch import Tensor
 
-from workbench.federation.protocol import Federation
+from workbench.federation.protocol import NOISE_STREAM, Federation
 
-CLIP_NORM = "clip_norm"  # the broadcast C of client-level DP
+CLIP_NORM_BYTES = 8  # C travels with the round as one float64
 WITHIN_CLIP = "within_clip"  # the upload Σ b_i: clients whose update was within C
 
 
@@ -149,18 +152,16 @@ def clip_features(features: Tensor, feature_norm: float) -> Tensor:
     return clip_rows(features.reshape(len(features), -1), feature_norm)[0].reshape(features.shape)
 
 
-def clip_client_updates(updates: Mapping[str, Tensor], broadcast: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """The clients' updates {name: (m, ...)} clipped jointly (one vector per client) to the broadcast
-    C, and the extra upload {WITHIN_CLIP: Σ b_i}; unchanged and {} when the round broadcasts no C."""
-    if CLIP_NORM not in broadcast:
-        return dict(updates), {}
+def clip_client_updates(updates: Mapping[str, Tensor], clip_norm: float) -> tuple[dict[str, Tensor], Tensor]:
+    """The clients' updates {name: (m, ...)} clipped jointly (one vector per client) to norm ≤ C, and
+    the count Σ b_i of those within C as the float32 `WITHIN_CLIP` upload: (), float32."""
     names = list(updates)
     first = updates[names[0]]
     rows = torch.cat([updates[name].reshape(len(first), -1) for name in names], 1)
-    clipped, within = clip_rows(rows, float(broadcast[CLIP_NORM]))
+    clipped, within = clip_rows(rows, clip_norm)
     parts = clipped.split([updates[name][0].numel() for name in names], 1)
-    out = {name: part.reshape(updates[name].shape) for name, part in zip(names, parts)}
-    return out, {WITHIN_CLIP: within.sum().to(torch.float32)}
+    out = {name: part.reshape(updates[name].shape) for name, part in zip(names, parts, strict=True)}
+    return out, within.sum().to(torch.float32)
 
 
 def _accountant(relation: str):
@@ -239,9 +240,6 @@ class ClientLevelDP:
         return subsampled_gaussian_epsilon(self.noise_multiplier, rounds, p.dp_delta, self.population,
                                            cohort=self.cohort, sample_rate=None if self.cohort else p.sample_rate)
 
-    def broadcast(self) -> dict[str, Tensor]:
-        return {CLIP_NORM: torch.tensor(self.clip_norm, dtype=torch.float64)}
-
     def denominator(self, survivors: int) -> float:
         """What the method averages by: E[m] = qN under Poisson sampling (the cohort's size is itself
         private), else the clients that uploaded."""
@@ -291,3 +289,69 @@ def composed_statistics_epsilon(sensitivity: float | None, protocol: Federation,
     if rounds == 0:
         return 0.0
     return gaussian_epsilon(protocol.dp_sigma / math.sqrt(rounds), sensitivity, protocol.dp_delta)
+
+
+class FitPrivacy:
+    """The server's side of a fit's differential privacy, kept across its rounds.
+
+    Under `dp_sigma` every round's aggregated statistics get N(0, σ²) (symmetric for symmetric
+    uploads); under client-level DP (`dp_clip`) the clients clip to the current C (`clip_norm`, which
+    adaptive clipping moves; None without client-level DP) and the clipped sum gets N(0, (zC)²).
+    `epsilon_after(r)` is the ε spent after r rounds (the method's sensitivity is stated once per
+    fit); a fit whose configured rounds would spend more than `target_epsilon` is refused here,
+    before its first round.
+
+    Args:
+        method: the server half (its `num_rounds` and `statistics_sensitivity`).
+        protocol: the federation's settings.
+        population: N, the clients with data (client-level DP's accounting).
+        clip_norm: the clip norm to continue from (a resumed fit's), default `dp_clip`.
+    """
+
+    def __init__(self, method, protocol: Federation, population: int, clip_norm: float | None = None) -> None:
+        self.protocol = protocol
+        self.client_level = ClientLevelDP(protocol, population) if protocol.client_level_dp else None
+        if self.client_level is not None:
+            if clip_norm is not None:
+                self.client_level.clip_norm = clip_norm
+            self._epsilon = self.client_level.epsilon
+        else:
+            sensitivity = method.statistics_sensitivity(protocol.feature_clip) if protocol.dp_sigma > 0 else None
+            self._epsilon = functools.partial(composed_statistics_epsilon, sensitivity, protocol)
+        name = type(method).__name__
+        epsilon = self.epsilon_after(method.num_rounds)
+        if protocol.target_epsilon is not None and epsilon is None:
+            raise ValueError(f"federation.target_epsilon needs a stated sensitivity: {name}'s statistics have "
+                             "none under feature_clip (or feature_clip is 0)")
+        if epsilon is not None:
+            check_budget(epsilon, protocol, f"{name} over {method.num_rounds} rounds")
+
+    @property
+    def clip_norm(self) -> float | None:
+        """Client-level DP's C for the next round (None: the clients do not clip)."""
+        return None if self.client_level is None else self.client_level.clip_norm
+
+    def epsilon_after(self, rounds: int) -> float | None:
+        """ε at `dp_delta` after `rounds` rounds; None where no guarantee is configured or stated."""
+        return self._epsilon(rounds)
+
+    def denominator(self, survivors: int) -> float:
+        """What the method averages the round's sum by (client-level DP under Poisson sampling:
+        the expected cohort; otherwise the clients that uploaded)."""
+        return survivors if self.client_level is None else self.client_level.denominator(survivors)
+
+    def noised(self, uploads: Mapping[str, Tensor], round_index: int,
+               symmetric: Collection[str]) -> tuple[dict[str, Tensor], dict[str, float]]:
+        """The round's aggregate as the server solves on it (with its noise, without `WITHIN_CLIP`),
+        and the round's privacy metrics (`privacy/*`)."""
+        protocol, metrics = self.protocol, {}
+        uploads = dict(uploads)
+        if protocol.dp_sigma > 0:
+            uploads = add_gaussian_noise(uploads, protocol.dp_sigma, protocol.generator(round_index, NOISE_STREAM),
+                                         symmetric=symmetric)
+        if self.client_level is not None:
+            uploads, metrics = self.client_level.privatize(uploads, protocol.generator(round_index, NOISE_STREAM))
+        epsilon = self.epsilon_after(round_index + 1)
+        if epsilon is not None:
+            metrics["privacy/epsilon"] = epsilon
+        return uploads, metrics

@@ -3,6 +3,7 @@ from workbench.methods.afl import AFL
 from workbench.methods.anapfl import AnaPFL
 from workbench.methods.local_only import LocalOnly
 from workbench.methods.fedavg import FedAvg, FedProx
+from workbench.methods.fedavgm import FedAvgM
 from workbench.methods.ditto import Ditto
 from workbench.methods.osfed import OSFED
 from workbench.methods.scaffold import SCAFFOLD
@@ -11,4 +12,4 @@ from workbench.methods.safle import SAFLe
 from workbench.methods.ghofl import GHOFL
 from workbench.methods.base import ClientHalf, Cohort, FederatedMethod, Problem, RoundPlan, Upload
 
-__all__ = ["AFL", "AnaPFL", "LocalOnly", "FedAvg", "FedProx", "Ditto", "OSFED", "SCAFFOLD", "DeepAFL", "SAFLe", "GHOFL", "ClientHalf", "Cohort", "FederatedMethod", "Problem", "RoundPlan", "Upload"]
+__all__ = ["AFL", "AnaPFL", "LocalOnly", "FedAvg", "FedProx", "FedAvgM", "Ditto", "OSFED", "SCAFFOLD", "DeepAFL", "SAFLe", "GHOFL", "ClientHalf", "Cohort", "FederatedMethod", "Problem", "RoundPlan", "Upload"]

@@ -13,13 +13,16 @@ A federated method is two pieces of code that only talk through messages:
   across rounds** (the half's buffers: DeepAFL's Φ, Ditto's personal heads, error feedback,
   SCAFFOLD's control variates). `finish` is local work after the final broadcast (AnaPFL's
   residual branch); `predict` scores samples under each client's own model (personalized methods).
-- the **upload spec**, `method.uploads`: for each named upload whether the clients' copies are
-  summed or stacked (one row per client, in client order), and whether it is a symmetric matrix
-  sent as its upper triangle (`workbench.federation.codec` counts the bytes from it, packs
-  messages for a transport, and tells secure aggregation and noise what they may touch).
+- the **upload spec**, `method.uploads` (`workbench.federation.codec.Upload`): for each named
+  upload whether the clients' copies are summed or stacked (one row per client, in client order),
+  whether it is a symmetric matrix sent as its upper triangle, whether it is the clients' model
+  update (one row per client from the half; the protocol clips it under client-level DP, then sums
+  it), and how one client's copy is encoded on the wire. The protocol layer (`workbench.federation`)
+  reads it to count bytes, pack messages for a transport, clip, mask and noise: a method declares,
+  the protocol applies.
 
 A cohort is one or many **whole** clients; `client_update` must return exactly the sum (or the
-client-ordered stack) of what one-client calls return: in process one call runs every client of a
+client-ordered stack, or for model updates the client-ordered rows) of what one-client calls return: in process one call runs every client of a
 round, vectorized; under Flower each ClientApp calls it for its own client; with several
 processes each process calls it for its clients. The engines (`workbench.engines`) move the
 messages, apply the protocol (dropouts, secure aggregation, noise) and log; a method never
@@ -38,23 +41,11 @@ import torch
 from lightning.pytorch.core.mixins import HyperparametersMixin
 from torch import Tensor, nn
 
+from workbench.federation.codec import MODEL_UPDATE, STACKED, SUMMED, SYMMETRIC, Upload
 from workbench.federation.protocol import Federation
 
-
-@dataclass(frozen=True)
-class Upload:
-    """How the clients' copies of one named upload travel and combine.
-
-    stacked: False: summed over the clients (one client's shape); True: one leading row per
-        client, concatenated in client order (e.g. OS-FED's snapshots).
-    symmetric: a symmetric (..., d, d) matrix, sent as its upper triangle.
-    """
-
-    stacked: bool = False
-    symmetric: bool = False
-
-
-SUMMED, SYMMETRIC, STACKED = Upload(), Upload(symmetric=True), Upload(stacked=True)
+__all__ = ["MODEL_UPDATE", "STACKED", "SUMMED", "SYMMETRIC", "ClientHalf", "Cohort", "FederatedMethod", "Problem",
+           "RoundPlan", "Upload"]
 
 
 @dataclass(frozen=True)
@@ -187,7 +178,8 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
     Subclasses set `uploads`, implement `setup_problem`, `client_half`, `server_update`,
     `forward` and, where they differ from the defaults, `num_rounds`, `plan_round`/`broadcast`
     and `final_broadcast`. `rounds_done` counts the finished rounds (a buffer: checkpoints and
-    resumed fits keep it); `finished` is set once the final broadcast went out (`fitted`).
+    resumed fits keep it), advanced by `finish_round`; `finished` is set by `mark_fitted` once the
+    final broadcast went out (`fitted`). The engines call those two, never write the buffers.
     A method with `num_rounds = 0` (local-only training) only has the final step.
     """
 
@@ -196,9 +188,6 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
     personalized: bool = False
     #: the server holds a model of the whole population (`forward`, `test/acc`)
     global_model: bool = True
-    #: the client half clips its summed uploads to a broadcast `privacy.CLIP_NORM` and uploads
-    #: `privacy.WITHIN_CLIP` (client-level DP, `federation.dp_clip`)
-    clips_updates: bool = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -242,11 +231,6 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
         raise NotImplementedError
 
     # ---- optional ---------------------------------------------------------------------------
-    def upload_bytes_per_client(self, upload: Mapping[str, Tensor]) -> int | None:
-        """Bytes one client sends when they are not those of its dense tensors (top-k values and
-        indices, packed low-bit codes); None: the codec counts the dense tensors."""
-        return None
-
     def statistics_sensitivity(self, feature_norm: float) -> float | None:
         """The L2 sensitivity of one round's summed statistics to one sample whose feature row has
         norm ≤ B (`federation.feature_clip`; 0: rows not clipped), for `privacy/epsilon` under
@@ -279,6 +263,22 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
         return self.federation.sample_rate < 1
 
     # ---- state ------------------------------------------------------------------------------
+    @property
+    def clips_updates(self) -> bool:
+        """Whether its clients upload a model update (`Upload(model_update=True)`), which client-level
+        DP (`federation.dp_clip`) clips."""
+        return any(upload.model_update for upload in self.uploads.values())
+
+    def finish_round(self, uploads: Uploads, num_clients: float) -> Metrics:
+        """`server_update` on the round's aggregate, then the round counted."""
+        metrics = self.server_update(uploads, num_clients)
+        self.rounds_done += 1
+        return metrics
+
+    def mark_fitted(self) -> None:
+        """Every round done and the final broadcast delivered."""
+        self.finished.fill_(True)
+
     @property
     def round(self) -> int:
         """Index of the current round, 0-based."""
@@ -313,11 +313,3 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
             raise RuntimeError(
                 "the model is not fitted: run `fit` first, or pass `--ckpt_path` of a fitted run "
                 "to `validate`/`test`")
-
-
-def check_upload_names(method: FederatedMethod, uploads: Mapping[str, Tensor]) -> None:
-    """One clear error for an upload the method's spec does not name."""
-    unknown = sorted(set(uploads) - set(method.uploads))
-    if unknown:
-        raise KeyError(f"{type(method).__name__}'s client half uploads {unknown}, which its `uploads` "
-                       f"spec does not name ({sorted(method.uploads)})")

@@ -24,13 +24,16 @@ v_k stays on the client.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import Tensor
 from torch.func import functional_call
 
 from workbench.federation.client_state import ClientTable
-from workbench.methods.base import Cohort, Problem
-from workbench.methods.fedavg import PERSONAL, FedAvg, FedAvgClient
+from workbench.methods.base import Cohort, Metrics, Problem, Uploads
+from workbench.methods.fedavg import FedAvg, FedAvgClient
+from workbench.methods.gradient import PERSONAL
 
 
 class DittoClient(FedAvgClient):
@@ -39,6 +42,7 @@ class DittoClient(FedAvgClient):
 
     def __init__(self, problem: Problem, method: Ditto) -> None:
         super().__init__(problem, method)
+        self.lam, self.personal_epochs, self.personal_lr = method.lam, method.personal_epochs, method.personal_lr
         # w₀ (the net as built from the seed): where every personal model starts
         self.register_buffer("initial", self.flat.vector().clone(), persistent=False)
 
@@ -46,13 +50,12 @@ class DittoClient(FedAvgClient):
         super().setup_state()
         self.personal = ClientTable(self.initial)
 
-    def client_update(self, round_index, broadcast, cohort: Cohort):
+    def client_update(self, round_index: int, broadcast: Mapping[str, Tensor], cohort: Cohort) -> tuple[Uploads, Metrics]:
         self.receive(broadcast)
         if len(cohort.clients):
             # The personal step first: its proximal centre is w_t, the model just received.
-            s = self.settings
-            trained = self.local_sgd(round_index, cohort, PERSONAL, epochs=s["personal_epochs"],
-                                     lr=s["personal_lr"], prox_mu=s["lam"],
+            trained = self.local_sgd(round_index, cohort, PERSONAL, epochs=self.personal_epochs,
+                                     lr=self.personal_lr, prox_mu=self.lam,
                                      init=self.flat.unflatten(self.personal.read(cohort.clients)))
             self.personal.write(cohort.clients, self.flat.flatten(trained))
         return super().client_update(round_index, broadcast, cohort)  # FedAvg's global step
@@ -82,10 +85,10 @@ class Ditto(FedAvg):
     Args:
         lam: λ ≥ 0, the pull of each personal model towards the global one. Plain SGD on the
             proximal term is stable only for personal_lr · λ < 2.
-        personal_epochs: local epochs on the personal objective per round (default: local_epochs).
-        personal_lr: step size of the personal SGD (default: lr), under FedAvg's lr_schedule
-            (momentum and weight_decay apply to it too).
-        **kwargs: FedAvg's arguments (rounds, head, local epochs, sampling, compression, seed).
+        personal_epochs: local epochs on the personal objective per round (default: local.epochs).
+        personal_lr: step size of the personal SGD (default: local.lr), under local.lr_schedule
+            (local.momentum and local.weight_decay apply to it too).
+        **kwargs: FedAvg's arguments (rounds, head, local training, sampling, compression, seed).
     """
 
     personalized = True
@@ -95,8 +98,8 @@ class Ditto(FedAvg):
                  personal_lr: float | None = None, **kwargs) -> None:
         super().__init__(**kwargs)  # its save_hyperparameters() also records lam and the rest
         self.lam = lam
-        self.personal_epochs = self.local_epochs if personal_epochs is None else personal_epochs
-        self.personal_lr = self.lr if personal_lr is None else personal_lr
+        self.personal_epochs = self.local.epochs if personal_epochs is None else personal_epochs
+        self.personal_lr = self.local.lr if personal_lr is None else personal_lr
         if self.personal_epochs < 1 or not self.personal_lr > 0:
             raise ValueError(f"personal_epochs must be ≥ 1 and personal_lr > 0, got "
                              f"{self.personal_epochs} and {self.personal_lr}")
@@ -104,8 +107,3 @@ class Ditto(FedAvg):
             raise ValueError(
                 f"Ditto needs 0 ≤ lam < 2 / personal_lr = {2 / self.personal_lr:g} (personal SGD "
                 f"diverges on the proximal term beyond), got lam = {lam}: lower lam or personal_lr")
-
-    def settings(self) -> dict:
-        return {**super().settings(), "lam": self.lam, "personal_epochs": self.personal_epochs,
-                "personal_lr": self.personal_lr}
-

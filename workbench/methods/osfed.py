@@ -50,18 +50,19 @@ so above 1 the round moved the model farther from FedAvg's step than not moving 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, grad_and_value, vmap
 
-from workbench.federation.compression import FLOAT_BYTES, as_sent
+from workbench.federation.compression import as_sent
 from workbench.federation.local_training import client_generator, lbfgs
-from workbench.methods.base import STACKED, SUMMED, Cohort, Problem
-from workbench.methods.fedavg import SNAPSHOTS, FedAvg, FedAvgClient, Schedule, round_seed
-from workbench.methods.heads import Architecture
+from workbench.federation.codec import WireSize
+from workbench.federation.compression import ErrorFeedback
+from workbench.methods.base import STACKED, Cohort, Metrics, Problem, Upload, Uploads
+from workbench.methods.gradient import SNAPSHOTS, GradientClient, GradientMethod, round_seed
 
 
 def multi_grid(grid_map: Tensor, grid_size: int, size: tuple[int, int]) -> Tensor:
@@ -81,30 +82,60 @@ def soft_cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
     return -(labels * F.log_softmax(logits, dim=-1)).sum(-1).mean()
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """One client's synthetic snapshot and its fit.
+
+    grid_size: M; the snapshot makes M² synthetic samples.
+    resolution: R, side of the image snapshot map, a multiple of M (default
+        M · round(cell_scale · H)). Unused for feature vectors.
+    cell_scale: side of one cell as a share of the image side (1: cells at the input's own
+        resolution, R = M · H), when `resolution` is not set.
+    lbfgs_steps: L-BFGS iterations per snapshot fit; lbfgs_history: its stored pairs.
+    match_eps: ε of the normalized matching loss.
+    """
+
+    grid_size: int = 2
+    resolution: int | None = None
+    cell_scale: float = 1.0
+    lbfgs_steps: int = 30
+    lbfgs_history: int = 10
+    match_eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        if self.grid_size < 1 or self.lbfgs_steps < 0 or self.lbfgs_history < 1 or not self.match_eps > 0:
+            raise ValueError(f"OSFED needs snapshot.grid_size ≥ 1, snapshot.lbfgs_steps ≥ 0, snapshot.lbfgs_history "
+                             f"≥ 1 and snapshot.match_eps > 0, got {self.grid_size}, {self.lbfgs_steps}, "
+                             f"{self.lbfgs_history}, {self.match_eps}")
+        if self.resolution is not None and (self.resolution < self.grid_size or self.resolution % self.grid_size):
+            raise ValueError(f"snapshot.resolution must be a multiple of snapshot.grid_size = {self.grid_size}, "
+                             f"got {self.resolution}")
+        if not self.cell_scale > 0:
+            raise ValueError(f"snapshot.cell_scale must be > 0 (1: cells at the input's resolution), got "
+                             f"{self.cell_scale}")
+
+
 class SnapshotGeometry:
     """F(Z), L_S and g(S) = ∇_w L_S(w) of snapshots under a model `net`, and the snapshot fit.
 
     Shared by the client half (fits snapshots) and the server (recovers from them); each calls
-    `setup_snapshots` with its own net. Settings: grid_size M, snapshot_resolution R or
-    cell_scale (images), lbfgs_steps, lbfgs_history, match_eps.
+    `setup_snapshots` with its own net and the method's `Snapshot` settings.
     """
 
     net: nn.Module
 
-    def setup_snapshots(self, input_shape: tuple[int, ...], num_classes: int, *, grid_size: int,
-                        snapshot_resolution: int | None, lbfgs_steps: int, lbfgs_history: int,
-                        match_eps: float, cell_scale: float = 1.0) -> None:
+    def setup_snapshots(self, input_shape: tuple[int, ...], num_classes: int, snapshot: Snapshot) -> None:
+        grid_size = snapshot.grid_size
         self.input_shape, self.grid_size = tuple(input_shape), grid_size
-        self.lbfgs_steps, self.lbfgs_history, self.match_eps = lbfgs_steps, lbfgs_history, match_eps
+        self.lbfgs_steps, self.lbfgs_history = snapshot.lbfgs_steps, snapshot.lbfgs_history
+        self.match_eps = snapshot.match_eps
         self.on_images = len(self.input_shape) == 3
         cells = grid_size**2
         if self.on_images:
-            side = snapshot_resolution or grid_size * max(1, round(cell_scale * self.input_shape[1]))
+            side = snapshot.resolution or grid_size * max(1, round(snapshot.cell_scale * self.input_shape[1]))
             if side % grid_size:
-                raise ValueError(
-                    f"the snapshot side {side} (snapshot_resolution) must be a multiple of "
-                    f"grid_size = {grid_size}"
-                )
+                raise ValueError(f"the snapshot side {side} (snapshot.resolution) must be a multiple of "
+                                 f"snapshot.grid_size = {grid_size}")
             self.snapshot_shape = (self.input_shape[0], side, side)
         else:
             self.snapshot_shape = (cells, *self.input_shape)
@@ -237,22 +268,20 @@ class SnapshotGeometry:
 
 
 
-class OSFEDClient(SnapshotGeometry, FedAvgClient):
-    """OS-FED's clients: FedAvg's local SGD, then each Δw_k + e_k fitted by a snapshot.
+class OSFEDClient(SnapshotGeometry, GradientClient):
+    """OS-FED's clients: local SGD, then each Δw_k + e_k fitted by a snapshot.
 
     State: the model as last received (`net`), each served client's residual e_k (`feedback`).
     """
 
     def __init__(self, problem: Problem, method: OSFED) -> None:
         super().__init__(problem, method)
-        s = self.settings
-        self.setup_snapshots(problem.input_shape, problem.num_classes, grid_size=s["grid_size"],
-                             snapshot_resolution=s["snapshot_resolution"], lbfgs_steps=s["lbfgs_steps"],
-                             lbfgs_history=s["lbfgs_history"], match_eps=s["match_eps"],
-                             cell_scale=s["cell_scale"])
+        self.error_feedback, self.diagnostics = method.error_feedback, method.diagnostics
+        self.setup_snapshots(problem.input_shape, problem.num_classes, method.snapshot)
 
-    def setup_state(self) -> None:  # lossless in FedAvg's sense, but a snapshot loses: feedback
-        self.feedback = self.error_feedback() if self.settings["error_feedback"] else None
+    def setup_state(self) -> None:  # a snapshot loses: error feedback carries what it missed
+        enabled = self.error_feedback.enabled
+        self.feedback = self.error_feedback.residuals(self.flat.vector().numel()) if enabled else None
 
     def initial_snapshots(self, round_index: int, cohort: Cohort) -> Tensor:
         """Random start (m, *snapshot_shape): inputs ~ N(client mean, client std²), per dimension
@@ -266,7 +295,7 @@ class OSFEDClient(SnapshotGeometry, FedAvgClient):
         mean = x.new_zeros(m, *x.shape[1:]).index_add_(0, rows, x).mean(-1) / count[:, None]
         square = x.new_zeros(m, *x.shape[1:]).index_add_(0, rows, x**2).mean(-1) / count[:, None]
         std = (square - mean**2).clamp_min(0).sqrt()
-        seed = round_seed(self.settings["seed"], round_index, SNAPSHOTS)
+        seed = round_seed(self.seed, round_index, SNAPSHOTS)
         noise = torch.stack([
             torch.randn(self.snapshot_shape, generator=client_generator(seed, int(client)), dtype=torch.float32)
             for client in clients.tolist()
@@ -275,7 +304,7 @@ class OSFEDClient(SnapshotGeometry, FedAvgClient):
             return mean[:, :, None, None] + std[:, :, None, None] * noise
         return mean[:, None, :] + std[:, None, :] * noise  # per dimension
 
-    def encode(self, round_index: int, cohort: Cohort, updates: Tensor) -> tuple[dict[str, Tensor], dict]:
+    def encode(self, round_index: int, cohort: Cohort, updates: Tensor) -> tuple[Uploads, Metrics]:
         """Fit S_k* to Δg_k = Δw_k + e_k, keep e_k ← Δg_k − g(S_k*), upload the snapshots (stacked)."""
         slots = self.client_slots(cohort.clients)
         targets = self.feedback.target(slots, updates) if self.feedback is not None else updates
@@ -291,120 +320,41 @@ class OSFEDClient(SnapshotGeometry, FedAvgClient):
                    "osfed/residual_norm": float(residual.norm(dim=1).sum()),
                    "osfed/residual_ratio": float((residual.norm(dim=1) / size.clamp_min(tiny)).sum())}
         uploads = {"snapshot_inputs": snapshot.float(), "snapshot_labels": labels.float()}
-        if self.settings["diagnostics"]:
+        if self.diagnostics:
             uploads["diagnostic_update"] = updates.sum(0).float()  # Σ Δw_k, for the server's diagnostics
         return uploads, metrics
 
 
-class OSFED(SnapshotGeometry, FedAvg):
-    """OS-FED (CVPR 2026): FedAvg whose clients each upload one learned synthetic snapshot per round.
+class OSFED(SnapshotGeometry, GradientMethod):
+    """OS-FED (CVPR 2026): local SGD whose clients each upload one learned synthetic snapshot per round.
 
     Args:
-        num_rounds, architecture, hidden_dim, local_epochs, lr, local_batch_size, sample_fraction,
-            server_lr, seed: as in FedAvg.
-        grid_size: M; the snapshot makes M² synthetic samples.
-        snapshot_resolution: R, side of the image snapshot map, a multiple of M (default
-            M · round(cell_scale · H)). Unused for feature vectors.
-        cell_scale: side of one cell as a share of the image side (1: cells at the input's own
-            resolution, R = M · H), when snapshot_resolution is not set.
-        lbfgs_steps: L-BFGS iterations per snapshot fit; lbfgs_history: its stored pairs.
-        match_eps: ε of the normalized matching loss.
-        error_feedback: carry e_k = Δg_k − g(S_k*) to the next round.
-        error_feedback_bound, error_feedback_decay: guards on e_k, as in FedAvg.
-        lr_schedule, lr_final_fraction, lr_step_rounds, lr_gamma, momentum, weight_decay: local
-            training, as in FedAvg.
+        snapshot: the snapshot and its fit (`Snapshot`: grid_size, resolution, cell_scale,
+            lbfgs_steps, lbfgs_history, match_eps).
+        error_feedback: carry e_k = Δg_k − g(S_k*) to the next round (`ErrorFeedback`: enabled,
+            bound, decay).
         diagnostics: also upload Σ_k Δw_k (not counted, not part of the protocol) so the server
             logs how far its update is from FedAvg's.
+        **kwargs: every gradient method's settings (`GradientMethod`: num_rounds, architecture,
+            hidden_dim, local, sample_fraction, server_lr, seed).
     """
 
+    # a snapshot is no model update: client-level DP does not apply. The diagnostic upload (only with
+    # `diagnostics`) is not part of the protocol: no bytes counted
     uploads = {"snapshot_inputs": STACKED, "snapshot_labels": STACKED,
-               "diagnostic_update": SUMMED}  # the last only with diagnostics
-    clips_updates = False  # a snapshot is not a clipped sum: client-level DP does not apply
+               "diagnostic_update": Upload(encoding=WireSize(0))}
     client_class = OSFEDClient
 
-    def __init__(
-        self,
-        num_rounds: int = 20,
-        architecture: Architecture = "mlp",
-        hidden_dim: int = 256,
-        local_epochs: int = 1,
-        lr: float = 0.05,
-        local_batch_size: int = 64,
-        sample_fraction: float = 1.0,
-        server_lr: float = 1.0,
-        grid_size: int = 2,
-        snapshot_resolution: int | None = None,
-        lbfgs_steps: int = 30,
-        lbfgs_history: int = 10,
-        match_eps: float = 1e-8,
-        error_feedback: bool = True,
-        seed: int = 0,
-        cell_scale: float = 1.0,
-        error_feedback_bound: float | None = None,
-        error_feedback_decay: float = 1.0,
-        lr_schedule: Schedule = "constant",
-        lr_final_fraction: float = 0.0,
-        lr_step_rounds: int = 1,
-        lr_gamma: float = 0.1,
-        momentum: float = 0.0,
-        weight_decay: float = 0.0,
-        diagnostics: bool = False,
-    ) -> None:
-        super().__init__(
-            lr_schedule=lr_schedule, lr_final_fraction=lr_final_fraction, lr_step_rounds=lr_step_rounds,
-            lr_gamma=lr_gamma, momentum=momentum, weight_decay=weight_decay,
-            error_feedback_bound=error_feedback_bound, error_feedback_decay=error_feedback_decay,
-            num_rounds=num_rounds,
-            architecture=architecture,
-            hidden_dim=hidden_dim,
-            local_epochs=local_epochs,
-            lr=lr,
-            local_batch_size=local_batch_size,
-            sample_fraction=sample_fraction,
-            server_lr=server_lr,
-            error_feedback=error_feedback,
-            seed=seed,
-        )
-        if grid_size < 1 or lbfgs_steps < 0 or lbfgs_history < 1 or not match_eps > 0:
-            raise ValueError(
-                f"OSFED needs grid_size ≥ 1, lbfgs_steps ≥ 0, lbfgs_history ≥ 1 and match_eps > 0, "
-                f"got {grid_size}, {lbfgs_steps}, {lbfgs_history}, {match_eps}"
-            )
-        if snapshot_resolution is not None and (
-            snapshot_resolution < grid_size or snapshot_resolution % grid_size
-        ):
-            raise ValueError(
-                f"snapshot_resolution must be a multiple of grid_size = {grid_size}, "
-                f"got {snapshot_resolution}"
-            )
-        if not cell_scale > 0:
-            raise ValueError(f"cell_scale must be > 0 (1: cells at the input's resolution), got {cell_scale}")
-        self.save_hyperparameters()  # OS-FED's own (FedAvg's compression ones do not apply)
-        for key in ("compression", "topk_fraction", "quantize_bits", "quantize_symmetric"):  # FedAvg's, not this method's: a fresh build from hparams must work
-            self._hparams.pop(key, None)
-            self._hparams_initial.pop(key, None)
-        self.grid_size, self.snapshot_resolution, self.cell_scale = grid_size, snapshot_resolution, cell_scale
-        self.diagnostics = diagnostics
-        self.lbfgs_steps, self.lbfgs_history, self.match_eps = lbfgs_steps, lbfgs_history, match_eps
-
-    def settings(self) -> dict:
-        return {**super().settings(), "grid_size": self.grid_size, "snapshot_resolution": self.snapshot_resolution,
-                "lbfgs_steps": self.lbfgs_steps, "lbfgs_history": self.lbfgs_history, "match_eps": self.match_eps,
-                "cell_scale": self.cell_scale, "diagnostics": self.diagnostics}
+    def __init__(self, snapshot: Snapshot = Snapshot(), error_feedback: ErrorFeedback = ErrorFeedback(),
+                 diagnostics: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.snapshot, self.error_feedback, self.diagnostics = snapshot, error_feedback, diagnostics
 
     def setup_problem(self, problem: Problem) -> None:
         super().setup_problem(problem)
-        self.setup_snapshots(problem.input_shape, problem.num_classes, grid_size=self.grid_size,
-                             snapshot_resolution=self.snapshot_resolution, lbfgs_steps=self.lbfgs_steps,
-                             lbfgs_history=self.lbfgs_history, match_eps=self.match_eps,
-                             cell_scale=self.cell_scale)
+        self.setup_snapshots(problem.input_shape, problem.num_classes, self.snapshot)
 
-    def upload_bytes_per_client(self, upload: Mapping[str, Tensor]) -> int:
-        """One client's float32 snapshot, c·R² + M²·C (or M²·(d + C)) numbers; the diagnostic
-        upload is not counted."""
-        return FLOAT_BYTES * (self.snapshot_numel + torch.Size(self.label_shape).numel())
-
-    def server_update(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, float]:
+    def server_update(self, uploads: Uploads, num_clients: float) -> Metrics:
         """w ← w − η_s ∇L_mean of the stacked snapshots (the survivors', in client order)."""
         update = self.recover(uploads["snapshot_inputs"], uploads["snapshot_labels"])
         self.apply_update(update)

@@ -58,12 +58,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-from workbench.federation import codec
+from workbench.federation.codec import WireSize
 from workbench.linalg import (
     MultiHotDesign,
     class_sums,
@@ -74,7 +75,7 @@ from workbench.linalg import (
     packed_symmetric_numel,
     solve_spd,
 )
-from workbench.methods.base import SUMMED, SYMMETRIC, ClientHalf, Cohort, FederatedMethod, Problem
+from workbench.methods.base import SUMMED, SYMMETRIC, ClientHalf, Cohort, FederatedMethod, Problem, Upload
 from workbench.methods.ridge_selection import (
     SELECTION_UPLOADS,
     checked_grid,
@@ -275,7 +276,7 @@ class SAFLeClient(SparseEmbedding, ClientHalf):
             if held is not None:
                 held_cross += self._phi_cross(active[part_held], labels[part_held])
             self.row_ledger.append((active.to(torch.int32), part_held))
-        uploads = {"cross": cross, "count": cross.new_tensor([float(len(cohort))])}
+        uploads = {"cross": cross, "ledger_rows": cross.new_tensor([float(len(cohort))])}
         if held is not None:
             uploads["holdout_cross"] = held_cross
         return uploads
@@ -326,6 +327,19 @@ def histogram_quantiles(counts: Tensor, quantiles: Tensor) -> Tensor:
     fraction = torch.where(inside > 0, (target - below) / inside, torch.zeros_like(target)).clamp(0, 1)
     width = 2 * HISTOGRAM_RANGE / counts.shape[1]
     return -HISTOGRAM_RANGE + (bins + fraction) * width
+
+
+@dataclass(frozen=True)
+class WithPackedGram:
+    """Solver "cg"'s encoding of ΦᵀY: its dense bytes plus those of the packed (E·V)² Gram it
+    travels with in the protocol (the simulation never forms that Gram)."""
+
+    side: int
+    dtype: torch.dtype
+
+    def wire_bytes(self, value: Tensor) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return value.numel() * value.element_size() + packed_symmetric_numel(self.side) * element
 
 
 class SAFLe(SparseEmbedding, FederatedMethod):
@@ -415,6 +429,11 @@ class SAFLe(SparseEmbedding, FederatedMethod):
         self.solver, self.cg_tolerance, self.holdout_fraction = solver, cg_tolerance, holdout_fraction
         self.stat_dtype = stat_dtype
         self.row_ledger: list[tuple[Tensor, Tensor]] = []  # solver "cg": the in-process clients' active rows
+        if solver == "cg":  # the protocol sends the packed Gram beside ΦᵀY (and the hold-out's beside its
+            # ΦᵀY); the simulation keeps the rows in process instead and checks their count
+            with_gram = Upload(encoding=WithPackedGram(self.embedding_rows, stat_dtype))
+            self.uploads = {**type(self).uploads, "cross": with_gram, "holdout_cross": with_gram,
+                            "ledger_rows": Upload(encoding=WireSize(0))}
         self._pending: dict | None = None  # between the solve and the select round
         self.holdout_accuracy: Tensor | None = None
 
@@ -486,9 +505,9 @@ class SAFLe(SparseEmbedding, FederatedMethod):
             return {**pending, "gram": gram, "holdout_gram": uploads.get("holdout_gram")}
         ledger, self.row_ledger[:] = list(self.row_ledger), []
         rows = sum(len(active) for active, _ in ledger)
-        if rows != round(float(uploads["count"])):
+        if rows != round(float(uploads["ledger_rows"])):
             raise ValueError(
-                f"SAFLe's solver 'cg' sees {rows} of the round's {round(float(uploads['count']))} training rows: it "
+                f"SAFLe's solver 'cg' sees {rows} of the round's {round(float(uploads['ledger_rows']))} training rows: it "
                 "needs every client in this process (the in-process engine, one process); set solver 'dense' "
                 "for Flower or several processes")
         active = torch.cat([part for part, _ in ledger]) if ledger else torch.zeros(0, self.experts, dtype=torch.int32)
@@ -532,16 +551,6 @@ class SAFLe(SparseEmbedding, FederatedMethod):
         if self.raw_features:
             self.raw_weight = weight[:raw_dim]
         return metrics
-
-    def upload_bytes_per_client(self, upload) -> int | None:
-        """Solver "cg": what the protocol sends, the packed Gram (and the hold-out's) beside ΦᵀY,
-        not the row count the simulation checks the ledger with."""
-        if self.solver != "cg" or "cross" not in upload:
-            return None
-        grams = 2 if "holdout_cross" in upload else 1
-        element = torch.empty((), dtype=self.stat_dtype).element_size()
-        sent = {name: value for name, value in upload.items() if name != "count"}
-        return codec.upload_bytes(sent, self.uploads) + grams * packed_symmetric_numel(self.embedding_rows) * element
 
     def final_broadcast(self) -> dict[str, Tensor]:
         """W: the embedding tables (and the raw features' weight)."""

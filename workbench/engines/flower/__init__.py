@@ -24,7 +24,7 @@ floats to a small range (approximate sums; it also weights by num_examples) and 
 four message stages per round. So our own masks travel in the Messages: each ClientApp builds
 the round's `SecureAggregator` from the settings it receives and sends
 `masked_upload(k, upload)` (int64 ring elements) with its layout (names, shapes, dtypes); the
-server ring-sums the survivors' vectors and `LightningEngine` unmasks the exact sum as in
+server ring-sums the survivors' vectors and the round (`run_round`) unmasks the exact sum as in
 process. As in process, the seeds derive from the federation seed; under SecAgg+
 (`secure_aggregation_graph: sparse`) the settings carry the round's k and t, each ClientApp masks
 along the same graph with its self-mask, and the server reconstructs the secrets it needs from

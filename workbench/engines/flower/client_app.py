@@ -9,9 +9,11 @@ saves the state back. The data module is set up once per process and reused.
 Message types (content records in quotes):
 - `query`: which client this node is and how many training and local test rows it holds;
 - `train`: one round: "broadcast" (the plan's broadcast), "round" (round index, session, whether
-  this client's upload is lost, the secure aggregation settings as JSON or ""); replies "uploads"
-  (packed: symmetric uploads as upper triangles) or, under secure aggregation, "masked" (the
-  ring vector) with "layout" (names, shapes, dtypes); "metrics" (sums) and "report";
+  this client's upload is lost, the secure aggregation settings as JSON or "", client-level DP's
+  clip norm or -1); the client runs the protocol's client step (`workbench.federation.client_step`,
+  as the in-process clients do) and replies "uploads" (packed: symmetric uploads as upper
+  triangles) or, under secure aggregation, "masked" (the ring vector) with "layout" (names,
+  shapes, dtypes); "metrics" (sums) and "report" (with its message's bytes on the wire);
 - `train.finish`: the final broadcast; the client's local work (`ClientHalf.finish`);
 - `evaluate`: the client scores its own local test split with `half.predict`: correct / total.
 """
@@ -28,8 +30,9 @@ from torch import Tensor
 
 from workbench.engines.flower.spec import RunSpec, from_record, half_state, restore_half, to_record
 from workbench.federation import codec
+from workbench.federation.client_step import client_step, wire_spec
 from workbench.federation.secure_aggregation import SecureAggregator
-from workbench.methods.base import ClientHalf, Cohort, FederatedMethod, Problem, check_upload_names
+from workbench.methods.base import ClientHalf, Cohort, FederatedMethod, Problem
 
 STATE_KEY, NODE_KEY = "workbench.client_state", "workbench.node"
 
@@ -137,32 +140,35 @@ def introduce(message: Message, context: Context) -> Message:
 
 @app.train()
 def train(message: Message, context: Context) -> Message:
-    """One round of this client: `client_update` on the broadcast and its own data and state."""
+    """One round of this client: the client step on the broadcast and its own data and state."""
     here = node(message, context)
     settings = message.content["round"]
     round_index, lost, secure = int(settings["round"]), bool(settings["lost"]), str(settings["secure"])
+    clip_norm = float(settings["clip_norm"]) if float(settings["clip_norm"]) >= 0 else None
     broadcast = from_record(message.content["broadcast"])
     start = time.perf_counter()
-    uploads, metrics = here.half.client_update(round_index, broadcast, here.data.cohort())
-    check_upload_names(here.method, uploads)
+    sent = client_step(here.half, here.method.uploads, round_index, broadcast, here.data.cohort(), clip_norm)
     content = RecordDict()
+    bytes_up = 0
     if lost:  # dropped: it computed (its state stays current), but nothing it sends arrives
         pass
     elif secure:
         options = json.loads(secure)
         aggregator = SecureAggregator.from_settings(options, round_index)
-        masked = aggregator.masked_upload(here.data.client, uploads)
-        content["masked"] = to_record({"masked": masked})
-        layout = {"names": list(uploads), "shapes": [list(v.shape) for v in uploads.values()],
-                  "dtypes": [str(v.dtype).removeprefix("torch.") for v in uploads.values()]}
+        content["masked"] = to_record({"masked": aggregator.masked_upload(here.data.client, sent.uploads)})
+        layout = {"names": list(sent.uploads), "shapes": [list(v.shape) for v in sent.uploads.values()],
+                  "dtypes": [str(v.dtype).removeprefix("torch.") for v in sent.uploads.values()]}
         content["layout"] = ConfigRecord({"json": json.dumps(layout)})
+        bytes_up = aggregator.bytes_per_client
     else:
-        content["uploads"] = to_record(codec.pack(uploads, codec.symmetric_names(here.method.uploads)))
+        symmetric = codec.symmetric_names(wire_spec(here.method.uploads, clip_norm is not None))
+        content["uploads"] = to_record(codec.pack(sent.uploads, symmetric))
+        bytes_up = sent.bytes_up
     seconds = time.perf_counter() - start
     here.save()
     if not lost:
-        content["metrics"] = MetricRecord({name: float(value) for name, value in metrics.items()})
-    content["report"] = _report(client_id=here.data.client, client_s=seconds)
+        content["metrics"] = MetricRecord(sent.metrics)
+    content["report"] = _report(client_id=here.data.client, client_s=seconds, bytes_up=bytes_up)
     return Message(content, reply_to=message)
 
 

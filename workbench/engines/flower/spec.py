@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import typing
 from collections import OrderedDict
 from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
@@ -23,37 +21,13 @@ from torch import Tensor, nn
 from workbench import data as data_classes
 from workbench import methods as method_classes
 from workbench.methods.base import FederatedMethod
-
-
-def _plain(value):
-    """Init arguments as JSON values: dataclasses become dicts, tuples lists, paths strings."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {field.name: _plain(getattr(value, field.name)) for field in dataclasses.fields(value)}
-    if isinstance(value, dict):
-        return {str(key): _plain(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(item) for item in value]
-    if isinstance(value, Path):
-        return str(value)
-    return value
-
-
-def _construct(cls: type, init_args: dict):
-    """`cls(**init_args)`, turning dicts back into the dataclasses the signature names."""
-    hints = typing.get_type_hints(cls.__init__)
-    kwargs = {}
-    for name, value in init_args.items():
-        if isinstance(value, dict) and dataclasses.is_dataclass(hints.get(name)):
-            value = hints[name](**value)
-        kwargs[name] = value
-    return cls(**kwargs)
+from workbench.settings import construct, init_arguments, plain
 
 
 def _init_args(module) -> str:
     """A module's init arguments as JSON, without the CLI's `_class_path`/`_instantiator` entries."""
-    arguments = {key: value for key, value in module.hparams_initial.items() if not key.startswith("_")}
     try:
-        return json.dumps(_plain(arguments), sort_keys=True)
+        return json.dumps(plain(init_arguments(module), strict=True), sort_keys=True)
     except TypeError as error:
         raise TypeError(f"{type(module).__name__}'s init arguments reach the clients as JSON (numbers, "
                         f"strings, lists, dicts, dataclasses): {error}") from error
@@ -89,14 +63,14 @@ class RunSpec:
         method_class = getattr(method_classes, self.method, None)
         if self.method not in method_classes.__all__ or not _is_method(method_class):
             raise ValueError(f"unknown method {self.method!r}; this install has {method_classes.__all__}")
-        return _construct(method_class, json.loads(self.method_args))
+        return construct(method_class, json.loads(self.method_args))
 
     def build_data(self) -> LightningDataModule:
         data_class = getattr(data_classes, self.data, None)
         if self.data not in data_classes.__all__ or not (
                 isinstance(data_class, type) and issubclass(data_class, LightningDataModule)):
             raise ValueError(f"unknown data module {self.data!r}; this install has {data_classes.__all__}")
-        return _construct(data_class, json.loads(self.data_args))
+        return construct(data_class, json.loads(self.data_args))
 
 
 # ---- tensors in records ------------------------------------------------------------------------

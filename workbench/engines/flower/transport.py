@@ -22,9 +22,9 @@ from lightning import Callback
 from torch import Tensor
 
 from workbench.engines.flower.spec import RunSpec, from_record, to_record
-from workbench.engines.local import Replies, add_metrics
+from workbench.engines.round import Replies, RoundRequest, add_metrics
 from workbench.federation import codec
-from workbench.federation.secure_aggregation import SecureAggregator, ring_sum
+from workbench.federation.secure_aggregation import ring_sum
 from workbench.methods.base import FederatedMethod
 
 NODE_WAIT_S = 600.0  # how long the ServerApp waits for every SuperNode to connect
@@ -75,9 +75,9 @@ def wait_for_nodes(grid: Grid, count: int, timeout_s: float = NODE_WAIT_S) -> li
     return nodes
 
 
-def _one_client_zeros(layout: Mapping) -> dict[str, Tensor]:
-    """Zeros of one client's upload from the layout a ClientApp reported."""
-    return {name: torch.zeros(shape, dtype=getattr(torch, dtype))
+def _layout(layout: Mapping) -> dict[str, Tensor]:
+    """One client's upload layout (tensors without data) from the one a ClientApp reported."""
+    return {name: torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
             for name, shape, dtype in zip(layout["names"], layout["shapes"], layout["dtypes"], strict=True)}
 
 
@@ -152,34 +152,36 @@ class FlowerClients:
         return holders
 
     # ---- the transport's interface ------------------------------------------------------------
-    def update(self, round_index: int, broadcast: Mapping[str, Tensor], survivors: Tensor, lost: Tensor,
-               secure: SecureAggregator | None) -> Replies:
+    def update(self, request: RoundRequest) -> Replies:
         """One round on the cohort's nodes: every client computes (its state stays current); only
-        the `survivors`' uploads count, combined in client order (sums; stacks concatenated)."""
-        method, spec = self.method, self.method.uploads
+        the survivors' uploads count, combined in client order (sums; stacks concatenated)."""
         start = time.perf_counter()
-        survivors_list, lost_list = survivors.tolist(), lost.tolist()
-        secure_settings = "" if secure is None else json.dumps(secure.settings())
-        down = to_record(broadcast)  # dense, as comm/bytes_down counts it (no broadcast is symmetric)
-        clients = sorted(survivors_list + lost_list)
+        survivors, lost = request.survivors.tolist(), request.lost.tolist()
+        secure_settings = "" if request.secure is None else json.dumps(request.secure.settings())
+        clip_norm = -1.0 if request.clip_norm is None else float(request.clip_norm)
+        down = to_record(request.broadcast)  # dense, as comm/bytes_down counts it (no broadcast is symmetric)
+        clients = sorted(survivors + lost)
         contents = [self._content(broadcast=down, round=self._settings(
-            round=round_index, lost=client in lost_list, secure=secure_settings)) for client in clients]
-        replies_by_client = self._exchange(clients, contents, "train", str(round_index))
+            round=request.round_index, lost=client in lost, secure=secure_settings, clip_norm=clip_norm))
+            for client in clients]
+        replies_by_client = self._exchange(clients, contents, "train", str(request.round_index))
 
         replies = Replies()
-        symmetric = codec.symmetric_names(spec)
-        for client in sorted(survivors_list):  # a fixed order: the combination does not depend on arrival
+        symmetric = codec.symmetric_names(request.spec)
+        for client in sorted(survivors):  # a fixed order: the combination does not depend on arrival
             reply = replies_by_client[client]
             add_metrics(replies.metric_sums, {name: float(v) for name, v in reply["metrics"].items()})
-            if secure is None:
+            replies.bytes_up += int(reply["report"]["bytes_up"])
+            if request.secure is None:
                 uploads = codec.unpack(from_record(reply["uploads"]), symmetric)
-                replies.uploads = codec.combine(replies.uploads if replies.uploads is not None else {}, uploads, spec)
+                replies.uploads = codec.combine(replies.uploads if replies.uploads is not None else {}, uploads,
+                                                request.spec)
             else:
                 masked = from_record(reply["masked"])["masked"]
                 replies.masked = masked if replies.masked is None else ring_sum([replies.masked, masked])
-                replies.one_client = replies.one_client or _one_client_zeros(json.loads(reply["layout"]["json"]))
+                replies.layout = replies.layout or _layout(json.loads(reply["layout"]["json"]))
         if replies.uploads is not None:
-            replies.keep_uploads({name: value.to(_device(method)) for name, value in replies.uploads.items()}, spec)
+            replies.uploads = {name: value.to(_device(self.method)) for name, value in replies.uploads.items()}
         replies.client_s = time.perf_counter() - start  # the server's wait: transport included
         return replies
 

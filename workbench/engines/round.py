@@ -1,0 +1,236 @@
+"""One round of a federated method as a plain function: no Lightning, no process group.
+
+    result = run_round(method, transport, protocol, available)
+
+1. **plan**: the server half plans round t on the protocol's cohort of the `available` clients
+   (`Federation.sampled_clients`, then `FederatedMethod.plan_round`): who takes part, and the
+   broadcast;
+2. **drop**: the protocol's dropouts of the round (`Federation.dropped_clients`): those clients
+   get the broadcast and compute, but their uploads never arrive;
+3. **mask**: under secure aggregation, the round's `SecureAggregator` over the cohort;
+4. **move**: the transport runs the clients' step (`Transport.update`: in this process, over
+   several processes, over Flower) and returns what reached the server from the survivors;
+5. **combine**: the exact sum unmasked, the server's noise added (`FitPrivacy`), checked finite,
+   and the server half's update (`FederatedMethod.finish_round`);
+6. **count**: bytes up as each client's message costs on the wire (`codec`, secure aggregation's
+   ring elements), bytes down as the broadcast (and client-level DP's clip norm) to every client of
+   the cohort; the clients' and the server's seconds.
+
+`run_final` sends the final broadcast to every client and runs their local work. The engines
+(`LightningEngine` in process and over Flower, `FederatedDDPStrategy` across processes) call
+these two and log what they return.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from workbench.federation import Federation, codec, messages_bytes
+from workbench.federation.client_step import wire_spec
+from workbench.federation.privacy import CLIP_NORM_BYTES, FitPrivacy
+from workbench.federation.secure_aggregation import SecureAggregator, UploadLayout, secure_aggregator
+from workbench.methods.base import FederatedMethod, Metrics
+
+
+@dataclass(frozen=True)
+class RoundRequest:
+    """What the server sends the round's clients.
+
+    round_index: t; broadcast: the method's message to every client of the cohort;
+    survivors, lost: (m,) sorted ids: the clients whose uploads count, and those that compute but
+        whose uploads never arrive (dropped);
+    spec: the uploads on the wire (the method's, and the protocol's: `client_step.wire_spec`);
+    secure: the round's secure aggregation (each client masks its own message), or None;
+    clip_norm: client-level DP's C (the clients clip their model updates to it), or None.
+    """
+
+    round_index: int
+    broadcast: Mapping[str, Tensor]
+    survivors: Tensor
+    lost: Tensor
+    spec: codec.Spec
+    secure: SecureAggregator | None = None
+    clip_norm: float | None = None
+
+
+@dataclass
+class Replies:
+    """What reached the server from one round's surviving clients (of this process, until combined).
+
+    uploads: their combined plain uploads (summed / stacked in client order), or None when masked;
+    masked: the ring sum of their masked messages under secure aggregation, else None;
+    layout: one client's upload layout (names, shapes, dtypes, as tensors without data), which
+        secure aggregation unmasks with;
+    metric_sums: the clients' metrics summed over them; client_s: the clients' compute seconds (or
+        the server's wait for remote clients); bytes_up: their messages' bytes on the wire.
+    """
+
+    uploads: dict[str, Tensor] | None = None
+    masked: Tensor | None = None
+    layout: dict[str, Tensor] | None = None
+    metric_sums: dict[str, float] = field(default_factory=dict)
+    client_s: float = 0.0
+    bytes_up: int = 0
+
+
+def layout_of(upload: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """An upload's layout: its names, shapes and dtypes (tensors on the meta device, no data)."""
+    return {name: torch.empty(value.shape, dtype=value.dtype, device="meta") for name, value in upload.items()}
+
+
+def add_metrics(total: dict[str, float], metrics: Mapping[str, float]) -> dict[str, float]:
+    """`total` += `metrics`, name by name."""
+    for name, value in metrics.items():
+        total[name] = total.get(name, 0.0) + float(value)
+    return total
+
+
+class Transport(Protocol):
+    """Who runs the client halves and carries their messages: `LocalClients` (this process),
+    `ProcessClients` (several processes), `FlowerClients` (Flower SuperNodes)."""
+
+    def update(self, request: RoundRequest) -> Replies:
+        """Runs the round's client step on the survivors and the lost clients; what reached the
+        server from the survivors."""
+        ...
+
+    def finish(self, broadcast: Mapping[str, Tensor]) -> tuple[dict[str, float], float]:
+        """Every client receives the final broadcast and does its local work: (metric sums over
+        the clients, seconds; 0 when no client had work)."""
+        ...
+
+    def predict(self, features: Tensor, client_ids: Tensor) -> Tensor:
+        """Logits of each sample under its own client's model (personalized methods)."""
+        ...
+
+
+@dataclass
+class RoundResult:
+    """What one round did.
+
+    cohort, survivors, lost: (m,) sorted client ids; uploads: the aggregate the server updated from;
+    metrics: the server's, the clients' means over the survivors, the protocol's (`privacy/*`,
+        `comm/secagg_*`, `comm/clients_*`);
+    client_time_sums: the clients' `time/*` metrics summed over them (totals, not means);
+    secagg_costs: secure aggregation's mask streams and share bytes (`SecureAggregator.costs`).
+    """
+
+    round_index: int
+    cohort: Tensor
+    survivors: Tensor
+    lost: Tensor
+    uploads: dict[str, Tensor]
+    metrics: Metrics
+    bytes_up: int
+    bytes_down: int
+    client_s: float
+    server_s: float
+    secure_s: float = 0.0
+    client_time_sums: dict[str, float] = field(default_factory=dict)
+    secagg_costs: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class FitProtocol:
+    """The protocol of one fit: the federation's settings and what they keep across rounds
+    (client-level DP's clip norm, the ε accounting: `FitPrivacy`)."""
+
+    federation: Federation
+    privacy: FitPrivacy
+
+    @classmethod
+    def start(cls, method: FederatedMethod, federation: Federation, population: int,
+              clip_norm: float | None = None) -> FitProtocol:
+        """A fit's protocol over `population` clients with data; refuses a fit over its privacy
+        budget before any round. `clip_norm`: a resumed fit's adaptive clip norm."""
+        return cls(federation, FitPrivacy(method, federation, population, clip_norm))
+
+
+def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtocol, available: Tensor) -> RoundResult:
+    """Round `method.round` of `method` over `transport` under `protocol`, among the `available`
+    clients (sorted ids of the clients with data); the method ends the round updated and counted."""
+    federation, privacy = protocol.federation, protocol.privacy
+    round_index = method.round
+    start = time.perf_counter()
+    plan = method.plan_round(federation.sampled_clients(round_index, available))
+    cohort = plan.clients.to(available.device)
+    dropped = federation.dropped_clients(round_index, method.num_clients).to(cohort.device)[cohort]
+    survivors, lost = cohort[~dropped], cohort[dropped]
+    if len(survivors) == 0:
+        raise RuntimeError(f"every client dropped out of round {round_index} (federation.dropout = "
+                           f"{federation.dropout}, sample_rate = {federation.sample_rate}): lower the dropout "
+                           "or raise the sample rate")
+    spec = wire_spec(method.uploads, privacy.clip_norm is not None)
+    secure = (secure_aggregator(federation, cohort.tolist(), round_index, codec.symmetric_names(spec))
+              if federation.secure_aggregation else None)
+    request = RoundRequest(round_index, plan.broadcast, survivors, lost, spec, secure, privacy.clip_norm)
+    server_s = time.perf_counter() - start
+
+    replies = transport.update(request)
+
+    start = time.perf_counter()
+    secure_s = 0.0
+    if secure is not None:  # the exact sum of the survivors' uploads, from the ring sum of their messages
+        if secure.layout is None:  # no survivor was masked here (a remote transport, another process's clients)
+            secure.layout = UploadLayout(replies.layout, secure.symmetric)
+        total = replies.masked if replies.masked is not None else torch.zeros(secure.layout.length, dtype=torch.int64)
+        uploads = {name: value.to(cohort.device)
+                   for name, value in secure.unmask(total, uploaded=survivors.tolist()).items()}
+        secure_s = time.perf_counter() - start
+    else:
+        uploads = replies.uploads or {}
+    uploads, privacy_metrics = privacy.noised(uploads, round_index, codec.symmetric_names(spec))
+    check_finite_uploads(uploads, round_index, type(method).__name__, survivors)
+    server_metrics = method.finish_round(uploads, privacy.denominator(len(survivors)))
+    server_s += time.perf_counter() - start - secure_s
+
+    client_means, client_times = {}, {}
+    for name, value in replies.metric_sums.items():  # means over the survivors; times are totals
+        (client_times if name.startswith("time/") else client_means)[name] = (
+            value if name.startswith("time/") else value / len(survivors))
+    metrics = {**server_metrics, **client_means, **privacy_metrics,
+               "comm/clients_in_round": float(len(survivors)), "comm/clients_dropped": float(len(lost))}
+    costs = {}
+    if secure is not None:
+        metrics.update({"comm/secagg_degree": float(secure.degree), "comm/secagg_threshold": float(secure.threshold)})
+        costs = secure.costs(survivors.tolist())
+    down_per_client = messages_bytes(plan.broadcast) + (CLIP_NORM_BYTES if privacy.clip_norm is not None else 0)
+    return RoundResult(round_index, cohort, survivors, lost, uploads, metrics, bytes_up=replies.bytes_up,
+                       bytes_down=down_per_client * len(cohort), client_s=replies.client_s, server_s=server_s,
+                       secure_s=secure_s, client_time_sums=client_times, secagg_costs=costs)
+
+
+@dataclass
+class FinalResult:
+    """The final broadcast's delivery: its bytes to every client, the clients' metric sums and seconds."""
+
+    bytes_down: int
+    metric_sums: dict[str, float]
+    client_s: float
+
+
+def run_final(method: FederatedMethod, transport: Transport) -> FinalResult:
+    """After the last round: every client receives `method.final_broadcast()` and does its local
+    work (`ClientHalf.finish`); the method is then fitted."""
+    final = method.final_broadcast()
+    metric_sums, client_s = transport.finish(final)
+    method.mark_fitted()
+    return FinalResult(messages_bytes(final) * method.num_clients, metric_sums, client_s)
+
+
+def check_finite_uploads(uploads: Mapping[str, Tensor], round_index: int, method: str, clients: Tensor) -> None:
+    """An aggregated upload holding NaN/inf is an error before the server solves or steps on it."""
+    for name, value in uploads.items():
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            bad = int((~torch.isfinite(value)).sum())
+            shown: list = clients.tolist()
+            shown = shown if len(shown) <= 10 else [*shown[:10], "..."]
+            raise FloatingPointError(
+                f"round {round_index}: {method}'s aggregated upload '{name}' holds {bad} non-finite "
+                f"value{'s' if bad != 1 else ''} (NaN/inf) from clients {shown}; no model was fitted on it: "
+                "check those clients' data, or lower the step size / raise the regularization")

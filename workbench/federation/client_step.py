@@ -1,0 +1,63 @@
+"""One client-side step, the same wherever clients run: in process (many clients at once, or one
+by one under secure aggregation) and on a Flower node.
+
+1. The client half computes the cohort's uploads from the broadcast (`ClientHalf.client_update`).
+2. The protocol's part on the client, outside the method (as Flower's mods sit around a
+   ClientApp): the model-update uploads (`Upload(model_update=True)`) come as one row per client;
+   under client-level DP each client's rows, as one vector, are clipped to the round's norm C and
+   the count of clients within C travels beside them (`privacy.WITHIN_CLIP`); then the rows are
+   summed over the cohort.
+3. What its clients' messages cost on the wire, from the spec (`codec.client_bytes`).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+from workbench.federation import codec
+from workbench.federation.privacy import WITHIN_CLIP, clip_client_updates
+
+if TYPE_CHECKING:
+    from workbench.methods.base import ClientHalf, Cohort
+
+
+@dataclass
+class ClientMessage:
+    """What a cohort of clients sends in one round.
+
+    uploads: combined over its clients (summed, or stacked in client order), model updates
+        clipped (under client-level DP) and summed; metrics: sums over its clients;
+    bytes_up: its clients' messages on the wire, all together.
+    """
+
+    uploads: dict[str, Tensor]
+    metrics: dict[str, float]
+    bytes_up: int
+
+
+def wire_spec(spec: codec.Spec, client_level_dp: bool) -> dict[str, codec.Upload]:
+    """The method's upload spec plus the protocol's own uploads (client-level DP's count)."""
+    return {**spec, WITHIN_CLIP: codec.SUMMED} if client_level_dp else dict(spec)
+
+
+def client_step(half: ClientHalf, spec: codec.Spec, round_index: int, broadcast: Mapping[str, Tensor],
+                cohort: Cohort, clip_norm: float | None = None) -> ClientMessage:
+    """Round `round_index` of the cohort's clients under the method's upload `spec`, with
+    client-level DP's norm `clip_norm` (None: no clipping)."""
+    uploads, metrics = half.client_update(round_index, broadcast, cohort)
+    unknown = sorted(set(uploads) - set(spec))
+    if unknown:
+        raise KeyError(f"{type(half).__name__} uploads {unknown}, which its method's `uploads` spec does not "
+                       f"name ({sorted(spec)})")
+    uploads = dict(uploads)
+    updates = {name: uploads[name] for name in codec.model_update_names(spec) if name in uploads}
+    if updates:
+        if clip_norm is not None:
+            updates, uploads[WITHIN_CLIP] = clip_client_updates(updates, clip_norm)
+        uploads.update({name: rows.sum(0) for name, rows in updates.items()})
+    sent = wire_spec(spec, clip_norm is not None)
+    bytes_up = codec.upload_bytes(uploads, sent) * len(cohort.clients) if uploads else 0
+    return ClientMessage(uploads, {name: float(value) for name, value in metrics.items()}, bytes_up)
