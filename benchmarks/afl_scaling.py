@@ -29,14 +29,14 @@ import torch
 os.environ.setdefault("WANDB_MODE", "disabled")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import fit_engine, machine_line, write_report  # noqa: E402
-from workbench.backbones import build_backbone  # noqa: E402
-from workbench.data import FederatedDataModule  # noqa: E402
-from workbench.data.datamodule import SyntheticBlobs  # noqa: E402
-from workbench.data.datasets import load_dataset  # noqa: E402
-from workbench.data.features import extract_features, preprocess  # noqa: E402
-from workbench.linalg import class_sums  # noqa: E402
-from workbench.methods import AFL  # noqa: E402
+from benchmarks.common import fit_engine, machine_line, write_report
+from workbench.backbones import build_backbone
+from workbench.data import FederatedDataModule
+from workbench.data.datamodule import SyntheticBlobs
+from workbench.data.datasets import load_dataset
+from workbench.data.features import extract_features, preprocess
+from workbench.linalg import class_sums
+from workbench.methods import AFL
 
 
 def median_time(fn, repeats: int) -> float:

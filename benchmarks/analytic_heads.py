@@ -23,16 +23,15 @@ import time
 import warnings
 from pathlib import Path
 
-
 os.environ.setdefault("WANDB_MODE", "disabled")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import fit_engine, machine_line, write_report  # noqa: E402
-from lightning import Callback, Trainer  # noqa: E402
+from lightning import Callback, Trainer
 
-from workbench.data import FederatedDataModule  # noqa: E402
-from workbench.engines import LightningEngine  # noqa: E402
-from workbench.methods import AFL, DeepAFL, SAFLe  # noqa: E402
+from benchmarks.common import fit_engine, machine_line, write_report
+from workbench.data import FederatedDataModule
+from workbench.engines import LightningEngine
+from workbench.methods import AFL, DeepAFL, SAFLe
 
 # α = 0.01 over 100 clients leaves clients empty with 10 classes (no Dirichlet draw gives every
 # client a sample), so α = 0.01 runs at K = 10 only.

@@ -39,14 +39,14 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local; never wait on the hub
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import fit_engine, load_average, machine_line, write_report  # noqa: E402
-from workbench.backbones import build_backbone  # noqa: E402
-from workbench.backbones.base import seeded  # noqa: E402
-from workbench.backbones.text import FrozenTextEncoder, TextBackbone  # noqa: E402
-from workbench.data import FederatedDataModule  # noqa: E402
-from workbench.data.datasets import load_dataset  # noqa: E402
-from workbench.data.features import extract_features, extract_text_features  # noqa: E402
-from workbench.methods import AFL, GHOFL, SAFLe  # noqa: E402
+from benchmarks.common import fit_engine, load_average, machine_line, write_report
+from workbench.backbones import build_backbone
+from workbench.backbones.base import seeded
+from workbench.backbones.text import FrozenTextEncoder, TextBackbone
+from workbench.data import FederatedDataModule
+from workbench.data.datasets import load_dataset
+from workbench.data.features import extract_features, extract_text_features
+from workbench.methods import AFL, GHOFL, SAFLe
 
 
 def bf16_support() -> str:

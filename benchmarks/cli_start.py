@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import load_average, machine_line, write_report  # noqa: E402
+from common import load_average, machine_line, write_report
 
 COMMANDS = {
     "python -c pass": [sys.executable, "-c", "pass"],

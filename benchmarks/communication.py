@@ -29,15 +29,15 @@ import torch
 os.environ.setdefault("WANDB_MODE", "disabled")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import machine_line, write_report  # noqa: E402
-from lightning import Callback, Trainer  # noqa: E402
+from lightning import Callback, Trainer
 
-from workbench.data import FederatedDataModule, SyntheticBlobs  # noqa: E402
-from workbench.engines import LightningEngine  # noqa: E402
-from workbench.federation.compression import Compression, ErrorFeedback  # noqa: E402
-from workbench.federation.local_training import LocalTraining  # noqa: E402
-from workbench.methods import OSFED, SCAFFOLD, FedAvg, FedProx  # noqa: E402
-from workbench.methods.osfed import Snapshot  # noqa: E402
+from benchmarks.common import machine_line, write_report
+from workbench.data import FederatedDataModule, SyntheticBlobs
+from workbench.engines import LightningEngine
+from workbench.federation.compression import Compression, ErrorFeedback
+from workbench.federation.local_training import LocalTraining
+from workbench.methods import OSFED, SCAFFOLD, FedAvg, FedProx
+from workbench.methods.osfed import Snapshot
 
 
 class RoundLog(Callback):
@@ -137,7 +137,7 @@ def plot(curves: dict[str, dict[str, list[dict[str, float]]]], path: Path) -> No
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(curves), figsize=(6.5 * len(curves), 4.5), squeeze=False)
-    for ax, (title, runs) in zip(axes[0], curves.items()):
+    for ax, (title, runs) in zip(axes[0], curves.items(), strict=True):
         for name, rows in runs.items():
             ax.plot(
                 [r["bytes_up"] for r in rows],
@@ -189,29 +189,37 @@ def main() -> None:
     start = time.perf_counter()
 
     def feature_methods() -> dict[str, object]:
-        common = dict(num_rounds=args.rounds, architecture="mlp", hidden_dim=args.hidden_dim, seed=0, local=LocalTraining(lr=args.lr, batch_size=args.batch_size, epochs=1))
+        common = dict(num_rounds=args.rounds, architecture="mlp", hidden_dim=args.hidden_dim, seed=0,
+                      local=LocalTraining(lr=args.lr, batch_size=args.batch_size, epochs=1))
         return {
             "FedAvg": FedAvg(**common),
             f"FedProx (μ={args.mu:g})": FedProx(mu=args.mu, **common),
             "SCAFFOLD": SCAFFOLD(**common),
-            f"top-k {100 * args.topk_fraction:g}% + EF": FedAvg(**common, compression=Compression(kind="topk", topk_fraction=args.topk_fraction)),
+            f"top-k {100 * args.topk_fraction:g}% + EF":
+                FedAvg(**common, compression=Compression(kind="topk", topk_fraction=args.topk_fraction)),
             "8-bit + EF": FedAvg(**common, compression=Compression(kind="quantize", quantize_bits=8)),
             "4-bit + EF": FedAvg(**common, compression=Compression(kind="quantize", quantize_bits=4)),
             "OS-FED M=2": OSFED(**common, snapshot=Snapshot(grid_size=2, lbfgs_steps=args.lbfgs_steps)),
             "OS-FED M=4": OSFED(**common, snapshot=Snapshot(grid_size=4, lbfgs_steps=args.lbfgs_steps)),
-            "OS-FED M=2, no EF": OSFED(**common, snapshot=Snapshot(grid_size=2, lbfgs_steps=args.lbfgs_steps), error_feedback=ErrorFeedback(enabled=False)),
-            "OS-FED M=4, no EF": OSFED(**common, snapshot=Snapshot(grid_size=4, lbfgs_steps=args.lbfgs_steps), error_feedback=ErrorFeedback(enabled=False)),
+            "OS-FED M=2, no EF": OSFED(**common, snapshot=Snapshot(grid_size=2, lbfgs_steps=args.lbfgs_steps),
+                                       error_feedback=ErrorFeedback(enabled=False)),
+            "OS-FED M=4, no EF": OSFED(**common, snapshot=Snapshot(grid_size=4, lbfgs_steps=args.lbfgs_steps),
+                                       error_feedback=ErrorFeedback(enabled=False)),
         }
 
     def cnn_methods() -> dict[str, object]:
-        common = dict(num_rounds=args.cnn_rounds, architecture="cnn", seed=0, local=LocalTraining(lr=args.lr, batch_size=32, epochs=1))
+        common = dict(num_rounds=args.cnn_rounds, architecture="cnn", seed=0,
+                      local=LocalTraining(lr=args.lr, batch_size=32, epochs=1))
+        map28 = Snapshot(grid_size=2, resolution=28, lbfgs_steps=args.lbfgs_steps)
         return {
             "FedAvg": FedAvg(**common),
             "SCAFFOLD": SCAFFOLD(**common),
-            f"top-k {100 * args.topk_fraction:g}% + EF": FedAvg(**common, compression=Compression(kind="topk", topk_fraction=args.topk_fraction)),
+            f"top-k {100 * args.topk_fraction:g}% + EF":
+                FedAvg(**common, compression=Compression(kind="topk", topk_fraction=args.topk_fraction)),
             "4-bit + EF": FedAvg(**common, compression=Compression(kind="quantize", quantize_bits=4)),
-            "OS-FED M=2 (28×28 map)": OSFED(**common, snapshot=Snapshot(grid_size=2, resolution=28, lbfgs_steps=args.lbfgs_steps)),
-            "OS-FED M=2 (28×28 map), no EF": OSFED(**common, snapshot=Snapshot(grid_size=2, resolution=28, lbfgs_steps=args.lbfgs_steps), error_feedback=ErrorFeedback(enabled=False)),
+            "OS-FED M=2 (28×28 map)": OSFED(**common, snapshot=map28),
+            "OS-FED M=2 (28×28 map), no EF":
+                OSFED(**common, snapshot=map28, error_feedback=ErrorFeedback(enabled=False)),
         }
 
     parts = {

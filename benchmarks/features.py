@@ -154,7 +154,7 @@ def main() -> None:
     load_start, start = load_average(), time.perf_counter()
     if args.speed:
         lines = speed(args.speed_images, args.repeats)
-        write_report(lines + ["", machine_line("one process", load_start)],
+        write_report([*lines, "", machine_line("one process", load_start)],
                      args.out or "benchmarks/results/features_speed.md")
         return
 

@@ -26,13 +26,13 @@ from pathlib import Path
 os.environ.setdefault("WANDB_MODE", "disabled")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning import Callback  # noqa: E402
+from lightning import Callback
 
-from benchmarks.common import load_average, machine_line, write_report  # noqa: E402
-from workbench import methods  # noqa: E402
-from workbench.data import FederatedDataModule, SyntheticBlobs  # noqa: E402
-from workbench.engines import LightningEngine  # noqa: E402
-from workbench.engines.flower import simulation  # noqa: E402
+from benchmarks.common import load_average, machine_line, write_report
+from workbench import methods
+from workbench.data import FederatedDataModule, SyntheticBlobs
+from workbench.engines import LightningEngine
+from workbench.engines.flower import simulation
 
 
 class RoundTimes(Callback):
@@ -117,9 +117,9 @@ def main() -> None:
     depth_rows = []
     if hasattr(methods, "DeepAFL"):
         deep = methods.DeepAFL(num_layers=args.layers, hidden_dim=args.hidden, block_dim=args.hidden)
-        whole_deep, deep_engine, deep_rounds = fit_once(deep, data, "flower")
+        whole_deep, _, deep_rounds = fit_once(deep, data, "flower")
         print(f"DeepAFL T={args.layers} flower: {whole_deep:.1f} s", flush=True)
-        depth_rows = list(enumerate(zip(deep_rounds.seconds, deep_rounds.compute)))
+        depth_rows = list(enumerate(zip(deep_rounds.seconds, deep_rounds.compute, strict=True)))
         _, _, deep_here = fit_once(methods.DeepAFL(num_layers=args.layers, hidden_dim=args.hidden,
                                                    block_dim=args.hidden), data, "lightning")
 

@@ -36,12 +36,11 @@ import torch
 os.environ.setdefault("WANDB_MODE", "disabled")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import fit_engine, load_average, machine_line, write_report  # noqa: E402
-
-from workbench.data import FederatedDataModule  # noqa: E402
-from workbench.methods import AFL, GHOFL  # noqa: E402
-from workbench.methods.base import FederatedMethod  # noqa: E402
-from workbench.methods.ghofl import (  # noqa: E402
+from benchmarks.common import fit_engine, load_average, machine_line, write_report
+from workbench.data import FederatedDataModule
+from workbench.methods import AFL, GHOFL
+from workbench.methods.base import FederatedMethod
+from workbench.methods.ghofl import (
     DEFAULT_FISHERMIX,
     DEFAULT_PROTO_HYPER,
     DEFAULT_SYNTHESIS,

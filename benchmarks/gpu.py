@@ -208,8 +208,11 @@ def fedavg_row(cfg: dict, device: str, repeats: int) -> str:
     bare()
     bare_s = median_seconds(bare, device, repeats)
     rounds = cfg["fedavg_rounds"]
-    fit_s, whole_s = fit(FedAvg(num_rounds=rounds, hidden_dim=hidden, local=LocalTraining(batch_size=batch)), dm, device)
-    syncs = syncs_per_round(lambda: FedAvg(num_rounds=rounds, hidden_dim=hidden, local=LocalTraining(batch_size=batch)), dm, device)
+    def build() -> FedAvg:
+        return FedAvg(num_rounds=rounds, hidden_dim=hidden, local=LocalTraining(batch_size=batch))
+
+    fit_s, whole_s = fit(build(), dm, device)
+    syncs = syncs_per_round(build, dm, device)
     return (f"| FedAvg, K = {cfg['clients']}, MLP {d}-{hidden}-{c}, 1 epoch, B = {batch}, per round "
             f"({rounds} rounds) | {fit_s / rounds:.3f} | {whole_s:.2f} | {bare_s:.4f} (one epoch's "
             f"batched GEMMs, float32) | {fit_s / rounds / bare_s:.1f} | {syncs} |")

@@ -34,14 +34,13 @@ import torch
 os.environ.setdefault("WANDB_MODE", "disabled")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import load_average, machine_line, write_report  # noqa: E402
-from benchmarks.communication import markdown, run  # noqa: E402
-
-from workbench.data import FederatedDataModule  # noqa: E402
-from workbench.federation.compression import FLOAT_BYTES, Compression, ErrorFeedback, index_bytes  # noqa: E402
-from workbench.federation.local_training import LocalTraining, scheduled_lr  # noqa: E402
-from workbench.methods import OSFED, FedAvg  # noqa: E402
-from workbench.methods.osfed import Snapshot  # noqa: E402
+from benchmarks.common import load_average, machine_line, write_report
+from benchmarks.communication import markdown, run
+from workbench.data import FederatedDataModule
+from workbench.federation.compression import FLOAT_BYTES, Compression, ErrorFeedback, index_bytes
+from workbench.federation.local_training import LocalTraining, scheduled_lr
+from workbench.methods import OSFED, FedAvg
+from workbench.methods.osfed import Snapshot
 
 DIAGNOSTICS = {  # column: logged metric
     "match loss (EF target)": "osfed/match_loss",
@@ -83,7 +82,8 @@ def osfed_main(argv: list[str]) -> None:
     datamodule = FederatedDataModule(dataset="mnist5k", inputs="images", num_clients=10, partition="dirichlet",
                                      alpha=0.5, seed=0)
     datamodule.setup()
-    common = dict(num_rounds=args.rounds, architecture="cnn", seed=0, local=LocalTraining(epochs=args.local_epochs, lr=args.lr, lr_schedule="cosine", batch_size=args.batch_size))
+    local = LocalTraining(epochs=args.local_epochs, lr=args.lr, lr_schedule="cosine", batch_size=args.batch_size)
+    common = dict(num_rounds=args.rounds, architecture="cnn", seed=0, local=local)
     osfed = dict(snapshot=Snapshot(grid_size=2, lbfgs_steps=args.lbfgs_steps), diagnostics=True, **common)
     out = Path(args.out)
     runs: dict[str, list[dict[str, float]]] = {}
@@ -100,7 +100,8 @@ def osfed_main(argv: list[str]) -> None:
     params = round(runs["FedAvg"][-1]["bytes_per_client"] / FLOAT_BYTES)
     snapshot_bytes = runs[PAPER_OSFED][-1]["bytes_per_client"]
     k = max(1, math.floor(snapshot_bytes / (FLOAT_BYTES + index_bytes(params))))  # top-k at ≤ OS-FED's bytes
-    record(f"top-k {100 * k / params:.1f}% + EF", FedAvg(**common, compression=Compression(kind="topk", topk_fraction=(k - 0.5) / params)))
+    record(f"top-k {100 * k / params:.1f}% + EF",
+           FedAvg(**common, compression=Compression(kind="topk", topk_fraction=(k - 0.5) / params)))
     record("4-bit + EF", FedAvg(**common, compression=Compression(kind="quantize", quantize_bits=4)))
     record("OS-FED M=2, EF bounded ‖e‖ ≤ ‖Δw‖", OSFED(**osfed, error_feedback=ErrorFeedback(bound=1.0)))
     record("OS-FED M=2, no EF", OSFED(**osfed, error_feedback=ErrorFeedback(enabled=False)))
@@ -122,6 +123,7 @@ def rerender(args) -> None:
 def summary(name: str, rows: list[dict[str, float]], reference: float, target: float) -> dict[str, str]:
     reached = next((row for row in rows if row["acc"] >= target), None)
     best = max(rows, key=lambda row: row["acc"])
+    seconds = sum(row["train_s"] + row["time/compress_s"] + row["time/server_s"] for row in rows)
     line = {
         "method": name,
         "kB / client / round": f"{rows[-1]['bytes_per_client'] / 1e3:,.1f}",
@@ -131,7 +133,7 @@ def summary(name: str, rows: list[dict[str, float]], reference: float, target: f
         "total upload": f"{rows[-1]['bytes_up'] / 1e6:,.2f} MB",
         f"round (upload) to {100 * target:.1f} %": "not reached" if reached is None
         else f"{int(reached['round'])} ({reached['bytes_up'] / 1e6:,.2f} MB)",
-        "s / round": f"{sum(row['train_s'] + row['time/compress_s'] + row['time/server_s'] for row in rows) / len(rows):.1f}",
+        "s / round": f"{seconds / len(rows):.1f}",
     }
     line["‖e‖/‖Δw‖ median (max)"] = line["rounds farther than sending nothing"] = ""
     if "osfed/update_rel_error" in rows[-1]:

@@ -14,7 +14,8 @@ accuracy on their own local test data. Methods (one fit each per setting):
 - Ditto: a FedAvg MLP head (global) + each client's personal MLP head pulled towards it (λ = 0.1),
   20 rounds; "Ditto global model" is the same fit's FedAvg model, scored on the local tests.
 
-Reported: mean / min local accuracy, global test accuracy (none for local-only), rounds, bytes uploaded by all clients, and the method's fit time
+Reported: mean / min local accuracy, global test accuracy (none for local-only), rounds, bytes
+uploaded by all clients, and the method's fit time
 (`time/fit_s`, wall clock: client and server work, local solves included; Lightning's loop and
 the test excluded) and the CPU seconds of the whole `Trainer.fit` call (all threads; steadier
 than the wall clock on a shared machine).
@@ -42,9 +43,9 @@ import torch
 os.environ.setdefault("WANDB_MODE", "disabled")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import load_average, machine_line, write_report
 from lightning import Trainer
 
+from benchmarks.common import load_average, machine_line, write_report
 from workbench.data import FederatedDataModule
 from workbench.engines import LightningEngine
 from workbench.federation.local_training import LocalTraining
@@ -58,7 +59,8 @@ METHODS = {
     "AnaPFL": lambda: AnaPFL(hidden_dim=1024, gamma=1e-2, gamma_out=1e-2, beta=1.0),
     "AFL": lambda: AFL(gamma=1.0, gamma_out=1.0),
     "Local-only": lambda: LocalOnly(gamma=1.0),
-    "Ditto": lambda: Ditto(lam=0.1, num_rounds=20, architecture="mlp", hidden_dim=64, local=LocalTraining(lr=0.05, batch_size=64)),
+    "Ditto": lambda: Ditto(lam=0.1, num_rounds=20, architecture="mlp", hidden_dim=64,
+                           local=LocalTraining(lr=0.05, batch_size=64)),
 }
 
 
@@ -66,13 +68,16 @@ GLOBAL_PART = {"AnaPFL": "global branch", "Ditto": "global model"}  # its model 
 
 
 def quiet_trainer(rounds: int) -> Trainer:
-    return Trainer(max_epochs=max(rounds, 1),  # a method without rounds (local-only) runs one local pass logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    return Trainer(max_epochs=max(rounds, 1),  # a method without rounds (local-only) runs one local pass
+                   logger=False, enable_checkpointing=False, enable_progress_bar=False,
                    enable_model_summary=False, num_sanity_val_steps=0)
 
 
-def local_mean_accuracy(logits: torch.Tensor, labels: torch.Tensor, client_ids: torch.Tensor, num_clients: int) -> float:
+def local_mean_accuracy(logits: torch.Tensor, labels: torch.Tensor, client_ids: torch.Tensor,
+                        num_clients: int) -> float:
     """Mean over clients (with local test data) of their accuracy: (n, C), (n,), (n,) -> float."""
-    correct = torch.zeros(num_clients, dtype=torch.float64).index_add_(0, client_ids, logits.argmax(1).eq(labels).double())
+    correct = torch.zeros(num_clients, dtype=torch.float64).index_add_(0, client_ids,
+                                                                       logits.argmax(1).eq(labels).double())
     total = torch.bincount(client_ids, minlength=num_clients)
     return float((correct[total > 0] / total[total > 0]).mean())
 
@@ -137,7 +142,8 @@ def main() -> None:
                 for row in run(name, dm):
                     rows.append({"K": num_clients, "alpha": alpha, **row})
                     print(f"K={num_clients} α={alpha} {row['method']}: local {row['local_mean']:.4f} "
-                          f"global {percent(row['global'])} fit {row['fit_s']:.1f} s ({row['fit_cpu_s']:.1f} CPU s)", flush=True)
+                          f"global {percent(row['global'])} fit {row['fit_s']:.1f} s ({row['fit_cpu_s']:.1f} CPU s)",
+                          flush=True)
 
     lines = [
         (f"Dataset {args.dataset}, backbone {args.backbone} at {args.input_size} px (d = {dm.feature_dim}), "
@@ -153,7 +159,8 @@ def main() -> None:
          "Bytes: uploaded by all clients together. Fit s: the method's own wall-clock time; "
          "fit CPU s: CPU seconds of the whole `Trainer.fit` (all threads)."),
         "",
-        "| K | α | train samples per client (min/median/max) | method | local mean | local min | global | rounds | bytes up | fit s | fit CPU s | note |",
+        "| K | α | train samples per client (min/median/max) | method | local mean | local min | global | rounds "
+        "| bytes up | fit s | fit CPU s | note |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

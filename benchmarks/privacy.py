@@ -32,12 +32,11 @@ import torch
 os.environ.setdefault("WANDB_MODE", "disabled")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import fit_engine, load_average, machine_line, write_report  # noqa: E402
-
-from workbench.data import FederatedDataModule  # noqa: E402
-from workbench.federation import Federation  # noqa: E402
-from workbench.federation.privacy import gaussian_epsilon, ridge_sensitivity, safe_ridge  # noqa: E402
-from workbench.methods import AFL  # noqa: E402
+from benchmarks.common import fit_engine, load_average, machine_line, write_report
+from workbench.data import FederatedDataModule
+from workbench.federation import Federation
+from workbench.federation.privacy import gaussian_epsilon, ridge_sensitivity, safe_ridge
+from workbench.methods import AFL
 
 
 def fit(datamodule: FederatedDataModule, gamma_out: float,

@@ -27,12 +27,11 @@ import torch
 os.environ.setdefault("WANDB_MODE", "disabled")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import fit_engine, machine_line, write_report  # noqa: E402
-
-from workbench.data import FederatedDataModule  # noqa: E402
-from workbench.linalg import multi_hot_gram  # noqa: E402
-from workbench.methods import AFL, SAFLe  # noqa: E402
-from workbench.methods.base import Problem  # noqa: E402
+from benchmarks.common import fit_engine, machine_line, write_report
+from workbench.data import FederatedDataModule
+from workbench.linalg import multi_hot_gram
+from workbench.methods import AFL, SAFLe
+from workbench.methods.base import Problem
 
 GRAM_SETTINGS = [dict(experts=64, group_size=6, levels=8), dict(experts=128, group_size=5, levels=8)]
 ACCURACY_SETTINGS = [

@@ -134,7 +134,8 @@ def report(store: dict, out: str) -> None:
     lines = ["SAFLe at the paper's scale (`benchmarks/safle_protocol.py`). Thermometer bits at L = 8, G = 5",
              "(V = 32); γ_out chosen on the clients' own 10 % hold-outs (per class), never on the test split;",
              "`cg`: the exact ridge solution by conjugate gradients (to the row's `cg_tolerance`, relative",
-             "residual, in its `dtype`) on the sparse design, bytes = the packed Gram (and the hold-out's Gram when γ is chosen) + ΦᵀY per client.",
+             "residual, in its `dtype`) on the sparse design, bytes = the packed Gram (and the hold-out's Gram when γ",
+             "is chosen) + ΦᵀY per client.",
              "Peak memory is the process's maximum resident set at the end of the row (it only grows over a run).",
              "Commands: `python benchmarks/safle_protocol.py --dataset digits --cg_tolerance 1e-6`; "
              "`python benchmarks/safle_protocol.py --dataset fashion_mnist --safle_grid 100 1000 10000 "

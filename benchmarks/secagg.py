@@ -32,11 +32,10 @@ import torch
 os.environ.setdefault("WANDB_MODE", "disabled")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import fit_engine, load_average, machine_line, write_report  # noqa: E402
-
-from workbench.data import FederatedDataModule, SyntheticBlobs  # noqa: E402
-from workbench.federation import Federation  # noqa: E402
-from workbench.methods import AFL  # noqa: E402
+from benchmarks.common import fit_engine, load_average, machine_line, write_report
+from workbench.data import FederatedDataModule, SyntheticBlobs
+from workbench.federation import Federation
+from workbench.methods import AFL
 
 VARIANTS = ("plain", "sparse", "complete")
 

@@ -128,7 +128,8 @@ class DeviceTensor(torch.Tensor):
                 _sync("index on the host")
         if name in SYNC_OPS or (name in INDEX_OPS and any(t.dtype == torch.bool for t in _tensors(args[1:]))):
             _sync(name)
-        if name in ("_to_copy", "to") and not _on_device(_argument(func, args, kwargs, "device", DEVICE)):  # to the host
+        to_host = not _on_device(_argument(func, args, kwargs, "device", DEVICE))
+        if name in ("_to_copy", "to") and to_host:
             _copy("to_host", args[0])
             _sync("to_host")
             return func(*tree_map(_unwrap, args), **kwargs)

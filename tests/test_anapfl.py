@@ -97,7 +97,8 @@ def test_each_clients_refinement_is_its_own_residual_ridge_and_reduces_its_resid
 def test_dual_solve_equals_the_primal():
     dm = data(num_clients=40, alpha=0.2)
     refinement = local_clients(AnaPFL(hidden_dim=HIDDEN), dm).half.local_features(dm.train_features)
-    targets = torch.randn(len(refinement), dm.num_classes, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    targets = torch.randn(len(refinement), dm.num_classes, dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(0))
     args = (refinement, targets, dm.train_client_ids, dm.num_clients, 1.0)
     primal = grouped_ridge(*args, form="primal")
     assert relative_error(grouped_ridge(*args, form="dual"), primal) <= 1e-10

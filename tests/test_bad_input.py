@@ -90,8 +90,8 @@ def test_a_non_finite_upload_stops_the_round_before_the_server_update(method, mo
 def test_a_checkpoint_of_another_method_or_settings_is_refused(tmp_path):
     main(["fit", "--model=SAFLe", *DATA, f"--run_dir={tmp_path / 'safle'}"])
     safle = next((tmp_path / "safle").glob("*/version_0/model.ckpt"))
-    with pytest.raises(ValueError, match="holds a workbench.methods.safle.SAFLe model but the config asks for "
-                                         "workbench.methods.afl.AFL: pass that run's config"):
+    with pytest.raises(ValueError, match=r"holds a workbench.methods.safle.SAFLe model but the config asks for "
+                                         r"workbench.methods.afl.AFL: pass that run's config"):
         main(["test", *METHODS["AFL"], *DATA, f"--run_dir={tmp_path / 'eval'}", f"--ckpt_path={safle}"])
     main(["fit", *METHODS["AFL"], *DATA, f"--run_dir={tmp_path / 'afl'}"])
     afl = next((tmp_path / "afl").glob("*/version_0/model.ckpt"))
@@ -113,6 +113,6 @@ def test_a_resumed_fit_under_another_protocol_is_refused(tmp_path):
             "--run_name=run"]
     stopped = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert stopped.returncode == 143, stopped.stdout + stopped.stderr
-    with pytest.raises(ValueError, match="federation.dropout: checkpoint 0.0, config 0.5"):
+    with pytest.raises(ValueError, match=r"federation.dropout: checkpoint 0.0, config 0.5"):
         main(["fit", *METHODS["FedAvg"], *DATA, f"--run_dir={tmp_path}", "--run_name=run",
               "--federation.dropout=0.5", "--ckpt_path=last"])

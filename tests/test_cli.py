@@ -97,7 +97,7 @@ def test_unknown_method_is_a_clear_error(capsys):
 def test_impossible_partition_is_a_clear_error():
     with pytest.raises(ValueError, match="alpha must be > 0"):
         main(["fit", *TINY, "--data.alpha=0"])
-    with pytest.raises(ValueError, match="num_partitions|samples"):
+    with pytest.raises(ValueError, match=r"num_partitions|samples"):
         main(["fit", *TINY, "--data.num_clients=5000", "--data.partition=iid"])
 
 

@@ -48,7 +48,23 @@ def test_an_unknown_ghofl_head_names_the_heads(capsys, tmp_path):
 
 def test_a_misspelled_method_lists_the_methods_and_the_closest(capsys, tmp_path):
     err = refused(capsys, tmp_path / "runs", *SYNTHETIC, "--model=AFLL")
-    assert "unknown method 'AFLL'" in err and "DeepAFL, SAFLe, GHOFL" in err and "did you mean 'AFL'" in err
+    assert "unknown method 'AFLL'" in err and "DeepAFL, Ditto, FedAvg, FedAvgM" in err and "did you mean 'AFL'" in err
+
+
+def test_a_setting_of_workbench_0_2_names_its_new_key(capsys, tmp_path):
+    err = refused(capsys, tmp_path / "runs", *SYNTHETIC, "--model=FedAvg", "--model.lr=0.1")
+    assert "FedAvg's settings are grouped since workbench 0.3: model.lr is now model.local.lr" in err
+
+
+def test_a_config_in_the_flat_layout_has_every_moved_key_named(capsys, tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text("model:\n  class_path: OSFED\n  init_args:\n    num_rounds: 2\n    lr: 0.1\n    local_epochs: 2\n"
+                   "    grid_size: 3\n    error_feedback: false\n")
+    err = refused(capsys, tmp_path / "runs", *SYNTHETIC, "--config", str(old))
+    for old_key, new_key in (("lr", "local.lr"), ("local_epochs", "local.epochs"), ("grid_size", "snapshot.grid_size"),
+                             ("error_feedback", "error_feedback.enabled")):
+        assert f"model.{old_key} is now model.{new_key}" in err, err
+    assert "num_rounds" not in err  # it did not move
 
 
 def test_a_misspelled_setting_names_the_closest_and_the_settings(capsys, tmp_path):

@@ -78,7 +78,8 @@ def test_composed_noisy_statistics_equal_the_pld_accountants_epsilon():
     epsilon = gaussian_statistics_epsilon(AFL(), protocol, rounds)
     assert epsilon == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-3)
     assert gaussian_statistics_epsilon(AFL(), protocol, 1) == gaussian_epsilon(6.0, ridge_sensitivity(1.0))
-    assert gaussian_statistics_epsilon(AFL(bias=True), protocol, 1) == gaussian_epsilon(6.0, ridge_sensitivity(2 ** 0.5))
+    expected = gaussian_epsilon(6.0, ridge_sensitivity(2 ** 0.5))
+    assert gaussian_statistics_epsilon(AFL(bias=True), protocol, 1) == expected
     assert gaussian_statistics_epsilon(AFL(), Federation(dp_sigma=6.0), 1) is None  # no bound enforced: no claim
 
 
@@ -102,8 +103,8 @@ def client_updates(method, clip: float, num_clients: int = 6) -> tuple[dict, lis
     return update(cohort), [update(cohort.of(torch.tensor([k]))) for k in range(num_clients)]
 
 
-@pytest.mark.parametrize("method", [FedAvg(architecture="linear", local=LocalTraining(lr=0.5)), FedProx(architecture="linear", local=LocalTraining(lr=0.5)),
-                                    SCAFFOLD(architecture="linear", local=LocalTraining(lr=0.5))], ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("method", [cls(architecture="linear", local=LocalTraining(lr=0.5))
+                                    for cls in (FedAvg, FedProx, SCAFFOLD)], ids=lambda m: type(m).__name__)
 def test_clipping_bounds_every_clients_contribution(method):
     clip = 0.05  # far below these updates' norms: every client is clipped
     together, alone = client_updates(method, clip)
@@ -230,13 +231,13 @@ def test_deepafl_states_no_sensitivity_without_a_bound_on_omega():
 
 
 def test_bad_privacy_settings_name_their_fix(fit_method):
-    with pytest.raises(ValueError, match="set federation.dp_clip > 0"):
+    with pytest.raises(ValueError, match=r"set federation.dp_clip > 0"):
         Federation(dp_noise_multiplier=1.0)
     with pytest.raises(ValueError, match="needs a noised protocol"):
         Federation(target_epsilon=1.0)
     with pytest.raises(ValueError, match="sample_rate must be in"):
         Federation(sample_rate=0.0)
-    with pytest.raises(ValueError, match="set federation.dp_clip=0"):
+    with pytest.raises(ValueError, match=r"set federation.dp_clip=0"):
         fit_method(AFL(), data(), Federation(dp_clip=1.0))
     with pytest.raises(ValueError, match="sample_fraction=1"):
         fit_method(FedAvg(num_rounds=1, sample_fraction=0.5), data(), Federation(sample_rate=0.5))

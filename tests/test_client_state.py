@@ -41,7 +41,8 @@ def test_state_dict_round_trip_resizes_the_table_it_loads_into():
         fresh.load_state_dict(state)
         assert fresh.ids.tolist() == [1, 4]
         torch.testing.assert_close(fresh.read(torch.tensor([1, 4, 0])),
-                                   torch.cat([saved.read(torch.tensor([1, 4])), torch.zeros(1, 2, 3, dtype=torch.float64)]))
+                                   torch.cat([saved.read(torch.tensor([1, 4])),
+                                              torch.zeros(1, 2, 3, dtype=torch.float64)]))
 
 
 def saved_with_more_rows() -> ClientTable:

@@ -11,8 +11,8 @@ from workbench.federation.compression import (
     Compression,
     Dense,
     ErrorFeedback,
-    Residuals,
     Quantize,
+    Residuals,
     ScaledSign,
     TopK,
     index_bytes,
@@ -57,7 +57,7 @@ def test_topk_keeps_the_k_largest_magnitudes_and_counts_values_plus_indices(frac
 def test_quantization_error_is_at_most_half_a_step_per_tensor(bits):
     x = updates()
     sent = Quantize(SIZES, bits)(x)
-    for block, approx in zip(x.split(SIZES, 1), sent.split(SIZES, 1)):
+    for block, approx in zip(x.split(SIZES, 1), sent.split(SIZES, 1), strict=True):
         lo, hi = block.min(1, keepdim=True).values, block.max(1, keepdim=True).values
         step = (hi - lo) / (2**bits - 1)
         assert ((block - approx).abs() <= step / 2 + 1e-6).all()
@@ -159,7 +159,7 @@ def test_symmetric_quantization_keeps_zero_and_the_largest_entry_exactly(bits):
     x = draws()
     sent = Quantize(SIZES, bits, symmetric=True)(x)
     assert torch.equal(sent[x == 0], x[x == 0])
-    for block, ours in zip(x.split(SIZES, dim=1), sent.split(SIZES, dim=1)):
+    for block, ours in zip(x.split(SIZES, dim=1), sent.split(SIZES, dim=1), strict=True):
         largest = block.abs().argmax(1, keepdim=True)
         torch.testing.assert_close(ours.gather(1, largest), block.gather(1, largest))
         levels = 2 ** (bits - 1) - 1
@@ -177,7 +177,8 @@ def test_few_bit_min_max_is_not_contractive_and_four_bit_is_not_for_every_x():
         assert (((Quantize(SIZES, bits)(x) - x) ** 2).sum(1) > (x**2).sum(1)).any()
         with pytest.raises(ValueError, match="quantize_symmetric"):
             FedAvg(compression=Compression(kind="quantize", quantize_bits=bits))
-    FedAvg(compression=Compression(kind="quantize", quantize_bits=2), error_feedback=ErrorFeedback(enabled=False))  # without EF: allowed
+    FedAvg(compression=Compression(kind="quantize", quantize_bits=2),
+           error_feedback=ErrorFeedback(enabled=False))  # without EF: allowed
     FedAvg(compression=Compression(kind="quantize", quantize_bits=2, quantize_symmetric=True))
     worst = torch.zeros(1, 2000, dtype=torch.float64)
     worst[0, :2] = torch.tensor([1.0, -1.0])
@@ -215,7 +216,7 @@ def test_a_bound_needs_the_fresh_update_and_bad_guards_are_rejected():
     x = updates(1)
     with pytest.raises(ValueError, match="fresh updates"):
         feedback.keep(torch.tensor([0]), x, torch.zeros_like(x))
-    with pytest.raises(ValueError, match="error_feedback.bound"):
+    with pytest.raises(ValueError, match=r"error_feedback.bound"):
         Residuals(375, bound=-1.0)
-    with pytest.raises(ValueError, match="error_feedback.decay"):
+    with pytest.raises(ValueError, match=r"error_feedback.decay"):
         Residuals(375, decay=1.5)

@@ -63,7 +63,7 @@ def test_registry_lists_datasets_and_rejects_unknown_names():
     names = list_datasets()
     assert {"mnist5k", "fashion_mnist", "mnist", "cifar10", "cifar100", "svhn"} <= set(names)
     assert "synthetic" not in names
-    with pytest.raises(ValueError, match="unknown dataset 'imagenet'.*mnist5k"):
+    with pytest.raises(ValueError, match=r"unknown dataset 'imagenet'.*mnist5k"):
         load_dataset("imagenet")
 
 
@@ -113,7 +113,7 @@ def test_image_split_rejects_wrong_layouts():
     with pytest.raises(ValueError, match="2 images but 3 labels"):
         ImageSplit(torch.zeros(2, 4, 4, dtype=torch.uint8), torch.zeros(3, dtype=torch.int64))
     split = ImageSplit(torch.zeros(2, 4, 4, dtype=torch.uint8), torch.tensor([0, 5]))
-    with pytest.raises(ValueError, match="outside 0..1"):
+    with pytest.raises(ValueError, match=r"outside 0..1"):
         ImageDataset("tiny", split, split, classes=("a", "b"), source="test")
 
 
@@ -212,7 +212,7 @@ def test_read_idx_rejects_truncated_files(tmp_path, compress):
 def test_read_idx_rejects_a_cut_gzip_stream(tmp_path):
     path = write_idx(tmp_path / "cut-idx3-ubyte.gz", np.arange(4000, dtype=np.int32))
     path.write_bytes(path.read_bytes()[:-40])
-    with pytest.raises(IdxFormatError, match="cut-idx3-ubyte.gz"):
+    with pytest.raises(IdxFormatError, match=r"cut-idx3-ubyte.gz"):
         read_idx(path)
 
 
@@ -338,7 +338,7 @@ def test_mnist_loads_through_torchvision(tmp_path):
 class _FakeTorchvisionDataset:
     """Stands in for a torchvision dataset holding 2 train / 1 test RGB images."""
 
-    classes = [f"class {i}" for i in range(10)]
+    classes = tuple(f"class {i}" for i in range(10))
 
     def __init__(self, root, train=True, download=False, split=None):
         count = 2 if (train if split is None else split == "train") else 1

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import os
 import subprocess
 import sys
@@ -52,7 +53,7 @@ def test_each_process_gets_whole_clients_and_all_of_them(sizes, world_size):
     client_ids = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
     shards = [client_shard(client_ids, rank, world_size) for rank in range(world_size)]
     assert shards[0].start == 0 and shards[-1].stop == len(client_ids)
-    assert all(a.stop == b.start for a, b in zip(shards, shards[1:]))  # disjoint and complete
+    assert all(a.stop == b.start for a, b in itertools.pairwise(shards))  # disjoint and complete
     for shard in shards:
         assert shard.stop > shard.start
         inside = client_ids[shard].unique()
@@ -60,7 +61,7 @@ def test_each_process_gets_whole_clients_and_all_of_them(sizes, world_size):
 
 
 def test_a_process_without_clients_is_a_clear_error():
-    with pytest.raises(ValueError, match="process 1 of 2 would get no client.*fewer devices"):
+    with pytest.raises(ValueError, match=r"process 1 of 2 would get no client.*fewer devices"):
         client_shard(torch.zeros(10, dtype=torch.long), 1, 2)
 
 

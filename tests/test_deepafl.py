@@ -217,7 +217,7 @@ def test_dropouts_give_the_centralized_solves_on_each_rounds_participants(fit_me
     else:
         per_round = [phi_stats] + [hidden_stats, phi_stats] * num_layers
         flags = 0
-    assert engine.fit_metrics["comm/bytes_up"] == 8 * sum(n * b for n, b in zip(survivors, per_round))
+    assert engine.fit_metrics["comm/bytes_up"] == 8 * sum(n * b for n, b in zip(survivors, per_round, strict=True))
     down = SEED_BYTES + (num_layers + 1) * h * classes * 8 + num_layers * f * h * 8 + flags
     assert engine.fit_metrics["comm/bytes_down"] == down * num_clients
 
@@ -424,7 +424,7 @@ def test_a_round_costs_one_layer_and_a_client_without_its_cache_rebuilds_it(monk
 
 class ValAccuracies(Callback):
     def on_validation_epoch_end(self, trainer, module):
-        self.values = getattr(self, "values", []) + [float(trainer.callback_metrics["val/acc"])]
+        self.values = [*getattr(self, "values", []), float(trainer.callback_metrics["val/acc"])]
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

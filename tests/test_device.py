@@ -5,9 +5,8 @@ or per local step."""
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -103,7 +102,7 @@ def test_a_method_runs_on_the_device_as_on_the_host(name, small, larger):
         assert torch.equal(device_state[key], value), key
     assert torch.equal(device_logits, logits)
     assert len(rounds) == len(larger_rounds) == METHODS[name][0]().num_rounds + 1
-    for round_index, (transfers, larger_transfers) in enumerate(zip(rounds, larger_rounds)):
+    for round_index, (transfers, larger_transfers) in enumerate(zip(rounds, larger_rounds, strict=True)):
         where = f"{name}, round {round_index} (the last: the final broadcast):\n{larger_transfers.summary()}"
         # the same reads, line by line, however many clients, chunks and local steps
         grown = {line: count for line, count in (syncs_by_line(larger_transfers) - syncs_by_line(transfers)).items()

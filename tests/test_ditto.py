@@ -1,6 +1,8 @@
 """Ditto: FedAvg's global model untouched, personal models pulled towards it, bytes, predictions."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from test_fedavg import ROOT, data, fit64, small
@@ -60,7 +62,7 @@ def test_personal_models_stay_nearer_the_global_model_as_lambda_grows():
         engine, _ = fitted(Ditto(lam=lam, num_rounds=1, seed=1, **small(epochs=3)))
         personal = engine.client_half.personal.read(torch.arange(5))
         distances.append((personal - initial_weights(seed=1)).norm(dim=1))
-    for weaker, stronger in zip(distances, distances[1:]):
+    for weaker, stronger in itertools.pairwise(distances):
         assert (stronger < weaker).all()
     assert (distances[-1] < 0.5 * distances[0]).all()
 

@@ -41,8 +41,9 @@ def uploads_of(method: AFL, dm: FederatedDataModule, clients: list[int]) -> dict
     mine = torch.isin(dm.train_client_ids, torch.tensor(clients))
     half = method.client_half()
     half.setup_clients(torch.tensor(sorted(clients)), int(mine.sum()))
-    uploads, _ = half.client_update(0, {}, Cohort(dm.train_features[mine], dm.train_labels[mine], dm.train_client_ids[mine],
-                                                  torch.tensor(sorted(clients)), torch.arange(int(mine.sum()))))
+    cohort = Cohort(dm.train_features[mine], dm.train_labels[mine], dm.train_client_ids[mine],
+                    torch.tensor(sorted(clients)), torch.arange(int(mine.sum())))
+    uploads, _ = half.client_update(0, {}, cohort)
     return uploads
 
 
@@ -178,16 +179,16 @@ def test_fedavg_continues_and_averages_only_the_updates_that_arrive(fit_method):
 def test_every_client_dropping_out_is_a_clear_error(fit_method):
     method = AFL()
     method.federation = Federation(dropout=0.75)  # round(0.75 · 2) = 2 of 2 clients
-    with pytest.raises(RuntimeError, match="every client dropped out.*lower the dropout"):
+    with pytest.raises(RuntimeError, match=r"every client dropped out.*lower the dropout"):
         fit_method(method, data(num_clients=2, partition="iid"))
 
 
 def test_bad_settings_name_the_fix():
-    with pytest.raises(ValueError, match="federation.dropout"):
+    with pytest.raises(ValueError, match=r"federation.dropout"):
         Federation(dropout=1.0)
-    with pytest.raises(ValueError, match="federation.dp_sigma"):
+    with pytest.raises(ValueError, match=r"federation.dp_sigma"):
         Federation(dp_sigma=-1.0)
-    with pytest.raises(ValueError, match="federation.fixed_point_bits"):
+    with pytest.raises(ValueError, match=r"federation.fixed_point_bits"):
         Federation(fixed_point_bits=60)
 
 

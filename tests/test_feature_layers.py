@@ -71,7 +71,7 @@ def test_one_forward_pass_fills_all_layers_and_layers_enter_the_key(tmp_path, li
 
 @pytest.mark.parametrize("layers", [["blocks.9"], ["nope"], ["blocks.1", "blocks.1"], [""]])
 def test_bad_layer_names_say_which_setting(lite0, layers):
-    with pytest.raises(ValueError, match="data.feature_layers"):
+    with pytest.raises(ValueError, match=r"data.feature_layers"):
         resolve_layers(lite0, layers)
 
 
@@ -110,7 +110,7 @@ def test_text_layers_are_pooled_hidden_states():
     mask = tokens["attention_mask"].unsqueeze(-1).float()
     assert torch.allclose(features[:, 2 * 384:3 * 384], (hidden * mask).sum(1) / mask.sum(1), atol=1e-5)
     assert torch.allclose(features[:, -384:], minilm.model(**tokens), atol=1e-6)
-    with pytest.raises(ValueError, match="data.feature_layers"):
+    with pytest.raises(ValueError, match=r"data.feature_layers"):
         resolve_layers(minilm, [7])
 
 
@@ -150,7 +150,7 @@ def test_afl_on_standardized_features_is_centralized_ridge(fit_method):
 
 
 def test_settings_without_a_backbone_are_refused():
-    with pytest.raises(ValueError, match="data.feature_layers"):
+    with pytest.raises(ValueError, match=r"data.feature_layers"):
         FederatedDataModule(dataset="synthetic", feature_layers=["all_stages"])
-    with pytest.raises(ValueError, match="data.standardize"):
+    with pytest.raises(ValueError, match=r"data.standardize"):
         FederatedDataModule(dataset="mnist5k", inputs="images", standardize=True)

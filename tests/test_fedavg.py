@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import math
 from pathlib import Path
 
@@ -104,14 +105,14 @@ def test_fedprox_keeps_clients_near_the_global_model(monkeypatch):
     """lr · μ < 1 keeps the proximal step a contraction; the drift then shrinks as μ grows."""
     drifts = [client_drifts(monkeypatch, FedProx, mu=mu) for mu in (0.0, 1.0, 3.0, 9.0)]
     torch.testing.assert_close(drifts[0], client_drifts(monkeypatch, FedAvg), rtol=0, atol=0)  # μ = 0 is FedAvg
-    for weaker, stronger in zip(drifts, drifts[1:]):
+    for weaker, stronger in itertools.pairwise(drifts):
         assert (stronger < weaker).all()
     assert (drifts[-1] < 0.4 * drifts[0]).all()
 
 
 def test_sampled_clients_alone_upload_and_are_redrawn_every_round():
     dm = data(num_clients=10)
-    method = FedAvg(num_rounds=4, sample_fraction=0.3, **small(), compression=Compression(kind="topk", topk_fraction=0.2))
+    method = FedAvg(num_rounds=4, sample_fraction=0.3, compression=Compression("topk", topk_fraction=0.2), **small())
     drawn = []
     original = method.sample_clients
     method.sample_clients = lambda available: drawn.append(original(available)) or drawn[-1]
@@ -153,7 +154,8 @@ def test_lossless_settings_of_the_compressors_are_fedavg():
     dm = data(num_clients=4, partition="dirichlet", alpha=0.5)
     reference = FedAvg(num_rounds=2, **small())
     fit64(reference, dm)
-    everything = FedAvg(num_rounds=2, **small(), compression=Compression(kind="topk", topk_fraction=1.0), error_feedback=ErrorFeedback(enabled=False))
+    everything = FedAvg(num_rounds=2, **small(), compression=Compression(kind="topk", topk_fraction=1.0),
+                        error_feedback=ErrorFeedback(enabled=False))
     fit64(everything, dm)
     torch.testing.assert_close(
         everything.flat_parameters(), reference.flat_parameters(), rtol=0, atol=0
@@ -252,7 +254,7 @@ def test_bad_settings_name_the_fix():
         FedProx(mu=50.0, local=LocalTraining(lr=0.1))
     with pytest.raises(ValueError, match="inputs=features"):
         FederatedDataModule(dataset="synthetic", inputs="images")
-    with pytest.raises(ValueError, match="data.inputs=images"):
+    with pytest.raises(ValueError, match=r"data.inputs=images"):
         build_model("cnn", (32,), 4)
 
 

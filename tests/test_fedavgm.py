@@ -12,7 +12,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def test_without_momentum_it_is_fedavg():
     dm = data(num_clients=4, partition="dirichlet", alpha=0.5)
-    fedavg, fedavgm = FedAvg(num_rounds=3, seed=1, **small()), FedAvgM(server_momentum=0.0, num_rounds=3, seed=1, **small())
+    fedavg = FedAvg(num_rounds=3, seed=1, **small())
+    fedavgm = FedAvgM(server_momentum=0.0, num_rounds=3, seed=1, **small())
     fit64(fedavg, dm), fit64(fedavgm, dm)
     torch.testing.assert_close(fedavgm.flat_parameters(), fedavg.flat_parameters(), rtol=1e-12, atol=1e-12)
 

@@ -14,17 +14,17 @@ import torch
 pytest.importorskip("flwr", reason="the Flower engine needs the `flower` extra: pip install -e '.[flower]'")
 pytest.importorskip("ray", reason="Flower simulations need Ray: pip install -e '.[flower]'")
 
-from flwr.app import ConfigRecord, Context, Message, RecordDict  # noqa: E402
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 
-from workbench.data import FederatedDataModule, SyntheticBlobs  # noqa: E402
-from workbench.engines.flower import client_app, server_app, simulation  # noqa: E402
-from workbench.engines.flower.spec import RunSpec, from_record, half_state, restore_half, to_record  # noqa: E402
-from workbench.federation import Federation, codec  # noqa: E402
-from workbench.federation.compression import Compression  # noqa: E402
-from workbench.federation.local_training import LocalTraining  # noqa: E402
-from workbench.federation.secure_aggregation import SecureAggregator  # noqa: E402
-from workbench.methods import AFL, FedAvg  # noqa: E402
-from workbench.methods.base import Problem  # noqa: E402
+from workbench.data import FederatedDataModule, SyntheticBlobs
+from workbench.engines.flower import client_app, server_app, simulation
+from workbench.engines.flower.spec import RunSpec, from_record, half_state, restore_half, to_record
+from workbench.federation import Federation, codec
+from workbench.federation.compression import Compression
+from workbench.federation.local_training import LocalTraining
+from workbench.federation.secure_aggregation import SecureAggregator
+from workbench.methods import AFL, FedAvg
+from workbench.methods.base import Problem
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 COMM = ("comm/rounds", "comm/bytes_up", "comm/bytes_up_per_client", "comm/bytes_down", "comm/clients_in_round")
@@ -74,7 +74,7 @@ def test_a_client_rebuilds_the_same_method_and_data_from_the_spec():
     share = client_app.client_data(spec, 1, 3)
     data.setup("fit")
     assert torch.equal(share.features, data.train_features[data.train_client_ids == 1])
-    with pytest.raises(ValueError, match="num-partitions = 4 .* num_clients = 3"):
+    with pytest.raises(ValueError, match=r"num-partitions = 4 .* num_clients = 3"):
         client_app.client_data(spec, 1, 4)
     with pytest.raises(ValueError, match="unknown method 'Trainer'"):
         RunSpec("Trainer", "{}", spec.data, spec.data_args).build_method()
@@ -177,7 +177,7 @@ def test_write_app_names_the_components(tmp_path):
 # ---- over a Flower simulation --------------------------------------------------------------------
 def over_both(make, data_options: dict, federation: Federation | None, tmp_path):
     reference = make()
-    from tests.conftest import fit as fit_in_process  # noqa: PLC0415
+    from tests.conftest import fit as fit_in_process
 
     engine_here = fit_in_process(reference, three_clients(**data_options), federation)
     engine_here.trainer.test(engine_here, datamodule=engine_here.trainer.datamodule, verbose=False)
@@ -193,7 +193,8 @@ def test_afl_over_flower_equals_in_process(tmp_path):
     assert_same_state(engine.method, reference.method, 1e-8)
     for key in COMM:
         assert engine.fit_metrics[key] == reference.fit_metrics[key], key
-    assert engine.fit_metrics["comm/bytes_up"] == 3 * (12 * 13 // 2 + 12 * engine.method.num_classes) * 8  # packed Gram + XᵀY, float64
+    packed_gram_and_cross = 12 * 13 // 2 + 12 * engine.method.num_classes  # float64 numbers
+    assert engine.fit_metrics["comm/bytes_up"] == 3 * packed_gram_and_cross * 8
     logged = engine.trainer.callback_metrics
     assert float(logged["test/acc"]) == float(reference.trainer.callback_metrics["test/acc"])
     arrays = 3 * 2  # clients × uploads: Flower carried the packed uploads plus a header per array
@@ -208,7 +209,7 @@ def test_fedavg_with_client_state_dropouts_and_secure_aggregation_over_flower_eq
     federation = Federation(dropout=0.34, secure_aggregation=True, seed=3)  # one of the three drops each round
     engine, reference = over_both(fedavg, {"personalized": True}, federation, tmp_path)
     assert_same_state(engine.method, reference.method, 1e-6)
-    for key in COMM + ("comm/clients_dropped",):
+    for key in (*COMM, "comm/clients_dropped"):
         assert engine.fit_metrics[key] == reference.fit_metrics[key], key
     run = engine.flower_run
     down = engine.fit_metrics["comm/bytes_down"]

@@ -87,7 +87,7 @@ def test_the_choice_depends_only_on_the_held_out_rows():
     labels = torch.randint(0, 5, (90,), generator=generator)
     pooled = holdout_correct(logits, labels)
     for cuts in ([30, 60], [10, 20, 85]):
-        parts = [holdout_correct(logits[:, a:b], labels[a:b]) for a, b in zip([0, *cuts], [*cuts, 90])]
+        parts = [holdout_correct(logits[:, a:b], labels[a:b]) for a, b in zip([0, *cuts], [*cuts, 90], strict=True)]
         summed = {name: sum(part[name] for part in parts) for name in pooled}
         assert all(torch.equal(summed[name], pooled[name]) for name in pooled)
         assert choose_gamma(GRID, summed, "x") == choose_gamma(GRID, pooled, "x")

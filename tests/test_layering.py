@@ -56,9 +56,9 @@ def test_there_is_no_import_circle():
         state[name] = "open"
         for target in edges(name):
             if state.get(target) == "open":
-                raise AssertionError("import circle: " + " -> ".join(trail[trail.index(target):] + [target]))
+                raise AssertionError("import circle: " + " -> ".join([*trail[trail.index(target):], target]))
             if target not in state:
-                visit(target, trail + [target])
+                visit(target, [*trail, target])
         state[name] = "done"
 
     for name in sorted(GRAPH):

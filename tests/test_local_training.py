@@ -27,7 +27,7 @@ def reference_sgd(model, features, labels, schedule, row, *, lr, prox_mu=0.0, in
     """One client alone: torch.optim.SGD over its rows of the same schedule."""
     if init is not None:
         with torch.no_grad():
-            for p, start in zip(model.parameters(), init):
+            for p, start in zip(model.parameters(), init, strict=True):
                 p.copy_(start)
     center = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
@@ -40,7 +40,7 @@ def reference_sgd(model, features, labels, schedule, row, *, lr, prox_mu=0.0, in
         optimizer.zero_grad()
         loss = F.cross_entropy(model(features[mine]), labels[mine])
         loss = loss + 0.5 * prox_mu * sum(
-            ((p - c) ** 2).sum() for p, c in zip(model.parameters(), center)
+            ((p - c) ** 2).sum() for p, c in zip(model.parameters(), center, strict=True)
         )
         loss.backward()
         optimizer.step()
@@ -198,7 +198,7 @@ def test_a_clients_draws_do_not_depend_on_the_other_clients():
 
     alone = batches_of_client_1(torch.tensor([1]))
     together = batches_of_client_1(torch.tensor([4, 1, 0]))
-    assert len(alone) == len(together) and all(torch.equal(a, b) for a, b in zip(alone, together))
+    assert len(alone) == len(together) and all(torch.equal(a, b) for a, b in zip(alone, together, strict=True))
 
 
 def test_bad_arguments_are_rejected():
@@ -297,7 +297,7 @@ def test_a_clients_training_is_the_same_on_its_rows_alone_or_among_others():
         among = [index[row][mask[row]] for index, mask in schedule if mask[row].any()]
         schedule = minibatch_schedule(client_ids[mine], torch.tensor([client]), epochs=2, batch_size=7, seed=3)
         alone = [mine[index[0][mask[0]]] for index, mask in schedule if mask[0].any()]  # back to positions
-        assert len(alone) == len(among) and all(torch.equal(a, b) for a, b in zip(alone, among))
+        assert len(alone) == len(among) and all(torch.equal(a, b) for a, b in zip(alone, among, strict=True))
         by_itself = local_sgd(model, features[mine], labels[mine], client_ids[mine], torch.tensor([client]),
                               **options)
         for name, value in by_itself.items():

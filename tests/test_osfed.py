@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import itertools
 
 import pytest
 import torch
@@ -66,7 +67,7 @@ def recovered(method, snapshot: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     return torch.stack(
         [
             method.synthetic_gradient(params, one, its_labels)
-            for one, its_labels in zip(snapshot, labels)
+            for one, its_labels in zip(snapshot, labels, strict=True)
         ]
     )
 
@@ -85,7 +86,7 @@ def test_the_snapshot_matches_better_than_a_random_one_and_better_with_more_step
     best_scale = (g * targets).sum(1) / (g * g).sum(1)  # a random snapshot at its best label scale
     random_loss = method.matching_loss(start, random_labels * best_scale[:, None, None], targets)
     losses = [method.fit_snapshots(targets, start, steps=steps)[3] for steps in (0, 3, 10, 40)]
-    for fewer, more in zip(losses, losses[1:]):
+    for fewer, more in itertools.pairwise(losses):
         assert (more <= fewer + 1e-12).all()
     assert (losses[-1] < 0.5 * random_loss).all()
     assert (losses[-1] < 0.8 * losses[0]).all()  # the start (correlated labels) is already good
@@ -221,7 +222,8 @@ def test_uploads_are_the_snapshot_bytes_and_training_learns(fit_method):
         alpha=0.5,
         min_partition_size=5,
     )
-    method = OSFED(num_rounds=6, architecture="mlp", hidden_dim=8, snapshot=Snapshot(grid_size=2, lbfgs_steps=10), local=LocalTraining(lr=0.1, batch_size=16))
+    method = OSFED(num_rounds=6, architecture="mlp", hidden_dim=8, snapshot=Snapshot(grid_size=2, lbfgs_steps=10),
+                   local=LocalTraining(lr=0.1, batch_size=16))
     engine = fit_method(method, dm)
     assert (
         engine.fit_metrics["comm/bytes_up"] == 6 * 5 * 4 * (8 + 4) * 4
@@ -234,7 +236,9 @@ def test_uploads_are_the_snapshot_bytes_and_training_learns(fit_method):
 def test_cnn_snapshots_on_raw_images(add_dataset, fit_method):
     add_dataset("tiny_images", fake_images)
     dm = FederatedDataModule(dataset="tiny_images", inputs="images", num_clients=3, partition="iid")
-    method = OSFED(num_rounds=2, architecture="cnn", diagnostics=True, snapshot=Snapshot(grid_size=2, resolution=4, lbfgs_steps=5), local=LocalTraining(lr=0.1, batch_size=8))
+    method = OSFED(num_rounds=2, architecture="cnn", diagnostics=True,
+                   snapshot=Snapshot(grid_size=2, resolution=4, lbfgs_steps=5),
+                   local=LocalTraining(lr=0.1, batch_size=8))
     engine = fit_method(method, dm)
     assert method.snapshot_shape == engine.client_half.snapshot_shape == (1, 4, 4)
     assert (
@@ -247,7 +251,7 @@ def test_cnn_snapshots_on_raw_images(add_dataset, fit_method):
 def test_bad_settings_name_the_fix():
     with pytest.raises(ValueError, match="grid_size"):
         OSFED(snapshot=Snapshot(grid_size=0))
-    with pytest.raises(ValueError, match="multiple of snapshot.grid_size"):
+    with pytest.raises(ValueError, match=r"multiple of snapshot.grid_size"):
         OSFED(snapshot=Snapshot(grid_size=3, resolution=28))
 
 
@@ -308,7 +312,8 @@ def test_diagnostics_compare_the_applied_update_with_fedavgs_mean_update():
     assert metrics["osfed/residual_ratio"] == pytest.approx(
         float((residual.norm(dim=1) / fresh.norm(dim=1)).sum()), rel=1e-5)
 
-    server = OSFED(architecture="mlp", hidden_dim=8, diagnostics=True, snapshot=Snapshot(grid_size=2), local=LocalTraining(lr=0.1, batch_size=16))
+    server = OSFED(architecture="mlp", hidden_dim=8, diagnostics=True, snapshot=Snapshot(grid_size=2),
+                   local=LocalTraining(lr=0.1, batch_size=16))
     server.setup(Problem((8,), 4, 4))
     server.double()
     server.flat.load(weights)

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-datasets = pytest.importorskip("datasets", reason="pip install -e '.[hf]'")
+datasets = pytest.importorskip("datasets", reason="pip install -e '.[hf]'")  # the module skips without it
 
-from tests.test_afl import centralized_ridge, relative_error
-from tests.test_cli import last_run, metrics
-from workbench.cli import main
-from workbench.data import FederatedDataModule
-from workbench.data.hf import OwnData, load_own_data
-from workbench.methods import AFL
+from tests.test_afl import centralized_ridge, relative_error  # noqa: E402
+from tests.test_cli import last_run, metrics  # noqa: E402
+from workbench.cli import main  # noqa: E402
+from workbench.data import FederatedDataModule  # noqa: E402
+from workbench.data.hf import OwnData, load_own_data  # noqa: E402
+from workbench.methods import AFL  # noqa: E402
 
 COLORS = np.array([(220, 30, 30), (30, 220, 30), (30, 30, 220)])
 
@@ -172,7 +172,7 @@ def test_bad_settings_name_the_setting(tmp_path, change, message):
 
 def test_bad_labels_are_clear_errors(tmp_path):
     table = blobs_table(n=40)
-    with pytest.raises(ValueError, match="not integer classes.*class_encode_column"):
+    with pytest.raises(ValueError, match=r"not integer classes.*class_encode_column"):
         own(tmp_path, {**table, "label": [str(v) for v in table["label"]]}, feature_column="emb").setup()
     with pytest.raises(ValueError, match="1 labels outside"):
         own(tmp_path, {**table, "label": [-1, *table["label"][1:]]}, feature_column="emb").setup()
@@ -200,7 +200,7 @@ def test_an_empty_split_is_an_error(tmp_path):
     rows.to_parquet(str(tmp_path / "train.parquet"))
     rows.select([]).to_parquet(str(tmp_path / "test.parquet"))
     files = {"train": str(tmp_path / "train.parquet"), "test": str(tmp_path / "test.parquet")}
-    with pytest.raises(ValueError, match="is empty.*Instruction \"test\""):
+    with pytest.raises(ValueError, match=r"is empty.*Instruction \"test\""):
         load_own_data(OwnData(path="parquet", data_files=files, feature_column="emb"), tmp_path)
 
 
@@ -208,7 +208,7 @@ def test_natural_without_a_client_column_fails_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="client_column"):
         FederatedDataModule(dataset="hf", hf=OwnData(path=str(tmp_path), feature_column="emb"),
                             partition="natural")
-    with pytest.raises(ValueError, match="needs data.hf.path"):
+    with pytest.raises(ValueError, match=r"needs data.hf.path"):
         FederatedDataModule(dataset="hf", hf=OwnData(feature_column="emb"))
     with pytest.raises(ValueError, match="does not exist"):
         FederatedDataModule(dataset="hf", hf=OwnData(path=str(tmp_path / "none"), feature_column="emb"))
@@ -248,6 +248,6 @@ def test_a_flower_partitioner_on_the_client_column(tmp_path):
     dm.setup()
     assert torch.bincount(dm.train_client_ids).min() > 0 and dm.train_client_ids.max() == 2
     assert dm.describe()["partition"] == "flower(grouped_natural_id)"
-    with pytest.raises(ValueError, match="makes 3 partitions.*set num_clients to 3"):
+    with pytest.raises(ValueError, match=r"makes 3 partitions.*set num_clients to 3"):
         FederatedDataModule(dataset="hf", hf=hf, data_dir=str(tmp_path), partition="flower", num_clients=5,
                             flower=grouped).setup()

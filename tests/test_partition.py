@@ -103,7 +103,7 @@ def test_dirichlet_meets_min_partition_size(labels):
 
 
 def test_dirichlet_unreachable_min_partition_size_says_what_to_change(labels):
-    with pytest.raises(ValueError, match="raise alpha.*lower min_partition_size.*num_partitions"):
+    with pytest.raises(ValueError, match=r"raise alpha.*lower min_partition_size.*num_partitions"):
         dirichlet(labels, 100, 0.01, min_partition_size=40, max_retries=20)
     with pytest.raises(ValueError, match="lower min_partition_size or num_partitions"):
         dirichlet(labels, 10, 1.0, min_partition_size=501)
@@ -255,12 +255,12 @@ def test_any_flower_partitioner_by_name_with_its_arguments(labels):
     inner = partition(labels, "flower", 5, seed=0, partitioner="inner_dirichlet",
                       partition_sizes=[1000] * 5, alpha=0.5)
     assert np.array_equal(np.bincount(inner), [1000] * 5)
-    with pytest.raises(ValueError, match="unknown Flower partitioner 'powerlaw'.*LinearPartitioner"):
+    with pytest.raises(ValueError, match=r"unknown Flower partitioner 'powerlaw'.*LinearPartitioner"):
         partition(labels, "flower", 4, partitioner="powerlaw")
     with pytest.raises(ValueError, match="rejects the arguments \\['beta'\\]"):
         partition(labels, "flower", 4, partitioner="linear", beta=1)
     writers = np.repeat(np.arange(6), 3)
-    with pytest.raises(ValueError, match="makes 6 partitions.*set num_clients to 6"):
+    with pytest.raises(ValueError, match=r"makes 6 partitions.*set num_clients to 6"):
         partition(writers, "flower", 4, partitioner="natural_id")
     assert np.array_equal(np.sort(partition(writers, "flower", 6, partitioner="natural_id")),
                           np.repeat(np.arange(6), 3))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -20,7 +21,7 @@ def test_cosine_and_step_schedules_are_the_formulas():
     rounds = 10
     cosine = [scheduled_lr(0.2, t, rounds, "cosine") for t in range(rounds)]
     assert cosine[0] == 0.2 and math.isclose(cosine[5], 0.1)  # half way: half the step
-    assert all(later < earlier for earlier, later in zip(cosine, cosine[1:]))
+    assert all(later < earlier for earlier, later in itertools.pairwise(cosine))
     assert cosine[-1] > 0  # the last round still trains (t = R − 1 < R)
     floor = scheduled_lr(0.2, rounds, rounds, "cosine", final_fraction=0.1)
     assert math.isclose(floor, 0.02)
@@ -34,7 +35,8 @@ def test_cosine_and_step_schedules_are_the_formulas():
 def test_one_client_fedavg_is_torch_sgd_with_the_schedule_and_a_fresh_momentum_buffer_each_round(
         schedule, momentum, weight_decay):
     dm = data(num_clients=1)
-    method = FedAvg(num_rounds=3, seed=4, **small(epochs=2, lr_schedule=schedule, lr_step_rounds=2, lr_gamma=0.3, momentum=momentum, weight_decay=weight_decay))
+    method = FedAvg(num_rounds=3, seed=4, **small(epochs=2, lr_schedule=schedule, lr_step_rounds=2, lr_gamma=0.3,
+                                                  momentum=momentum, weight_decay=weight_decay))
     fit64(method, dm)
     ours = method.flat_parameters()
     reference = centralized_sgd(dm, 3, lambda round_index: scheduled_lr(0.1, round_index, 3, schedule,
@@ -97,12 +99,17 @@ def test_ditto_schedules_both_its_personal_and_its_global_steps(monkeypatch):
     from workbench.methods import Ditto, Problem, gradient
 
     dm = data(num_clients=3)
-    method = Ditto(lam=0.1, personal_lr=0.2, num_rounds=5, **small(lr_schedule="step", lr_step_rounds=2, lr_gamma=0.5, momentum=0.9))
+    method = Ditto(lam=0.1, personal_lr=0.2, num_rounds=5,
+                   **small(lr_schedule="step", lr_step_rounds=2, lr_gamma=0.5, momentum=0.9))
     method.setup(Problem((8,), 4, 3))
     clients = LocalClients(method, dm.train_features, dm.train_labels, dm.train_client_ids,
                            torch.unique(dm.train_client_ids), batch_size=64)
     seen = []
     original = gradient.local_sgd
-    monkeypatch.setattr(gradient, "local_sgd", lambda *a, **k: seen.append((k["lr"], k["momentum"])) or original(*a, **k))
+    def recorded(*args, **options):
+        seen.append((options["lr"], options["momentum"]))
+        return original(*args, **options)
+
+    monkeypatch.setattr(gradient, "local_sgd", recorded)
     clients.half.client_update(3, {"weights": method.flat_parameters()}, clients.cohort(torch.arange(3)))
     assert seen == [(0.2 * 0.5, 0.9), (0.1 * 0.5, 0.9)]  # round 3: one halving; personal, then global

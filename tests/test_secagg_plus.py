@@ -191,7 +191,7 @@ def test_remote_clients_build_the_same_aggregator_from_its_settings():
 def test_federation_settings_of_secagg_plus_are_checked():
     with pytest.raises(ValueError, match="secure_aggregation=true"):
         Federation(secure_aggregation_graph="sparse")
-    with pytest.raises(ValueError, match="even number ≥ 2.*use 6"):
+    with pytest.raises(ValueError, match=r"even number ≥ 2.*use 6"):
         Federation(secure_aggregation=True, secure_aggregation_graph="sparse", secagg_degree=5)
     with pytest.raises(ValueError, match="secure_aggregation_graph=sparse"):
         Federation(secure_aggregation=True, secagg_threshold=3)

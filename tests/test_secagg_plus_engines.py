@@ -36,5 +36,5 @@ def test_fedavg_under_secagg_plus_over_flower_equals_in_process(tmp_path):
                             secagg_threshold=1, seed=3)
     engine, reference = over_both(fedavg, {"personalized": True}, federation, tmp_path)
     assert_same_state(engine.method, reference.method, 1e-6)
-    for key in COMM + ("comm/secagg_mask_streams_per_client", "comm/secagg_share_bytes_per_client"):
+    for key in (*COMM, "comm/secagg_mask_streams_per_client", "comm/secagg_share_bytes_per_client"):
         assert engine.fit_metrics[key] == reference.fit_metrics[key], key

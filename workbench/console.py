@@ -113,8 +113,8 @@ def condense_parse_error(message: str, choices: dict[str, list[str]], describe, 
         known, moved = describe(class_path)
         if name in moved:
             given = given or {}
-            found = {old: new for old, new in moved.items() if old == name or old in given and (
-                old not in known or not isinstance(given[old], dict))}  # a group given a plain value
+            found = {old: new for old, new in moved.items() if old == name or (old in given and (
+                old not in known or not isinstance(given[old], dict)))}  # a group given a plain value
             return moved_message(class_path.rsplit(".", 1)[-1], found)
         if option:
             close = difflib.get_close_matches(name, known, n=1)

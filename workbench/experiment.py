@@ -38,11 +38,10 @@ from workbench.console import DEBUG_ENV, condense_parse_error
 from workbench.data import FederatedDataModule
 from workbench.engines import LightningEngine
 from workbench.engines.ddp import end_processes
-from workbench.files import replaced_atomically
 from workbench.federation import Federation
+from workbench.files import replaced_atomically
 from workbench.methods import FederatedMethod
 from workbench.runlog import finish_run, log_hparams, make_loggers, print_summary
-
 
 #: test hook: `<round>` or `<round>:<SIGNAL>` sends the signal (default SIGTERM) to this process at
 #: the end of that round, an interruption at a known point taking the path of a real one
@@ -139,7 +138,7 @@ def _describe(class_path: str) -> tuple[list[str], dict[str, str]]:
         if not any(p.kind is p.VAR_KEYWORD for p in parameters):
             break
     moved = {old: new for old, new in getattr(cls, "moved_settings", {}).items()
-             if new.split(".")[0] in names and old not in names or old in names and new.startswith(f"{old}.")}
+             if (new.split(".")[0] in names and old not in names) or (old in names and new.startswith(f"{old}."))}
     return names, moved
 
 
@@ -151,7 +150,7 @@ def _model_settings(args: list[str], cwd: Path) -> dict[str, object]:
 
     given: dict[str, object] = {}
     for i, arg in enumerate(args):
-        if arg in ("--config", "-c") and i + 1 < len(args) or arg.startswith("--config="):
+        if (arg in ("--config", "-c") and i + 1 < len(args)) or arg.startswith("--config="):
             path = args[i + 1] if "=" not in arg else arg.split("=", 1)[1]
             try:
                 model = (yaml.safe_load((cwd / path).read_text()) or {}).get("model") or {}

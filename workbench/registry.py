@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Generic, Literal, TypeVar, get_args
 
-__all__ = ["Modality", "MODALITIES", "Registry"]
+__all__ = ["MODALITIES", "Modality", "Registry"]
 
 Modality = Literal["image", "text"]
 MODALITIES: tuple[Modality, ...] = get_args(Modality)

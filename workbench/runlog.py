@@ -11,8 +11,8 @@ from pathlib import Path
 
 from lightning.pytorch.loggers import CSVLogger, Logger
 
-from workbench.files import write_text_atomically
 from workbench.console import SWEEP_ENV
+from workbench.files import write_text_atomically
 from workbench.settings import init_arguments, plain
 
 
@@ -217,7 +217,7 @@ def finish_run(trainer) -> float:
 def save_per_client_table(table: dict[str, list], trainer) -> None:
     """Per-client accuracies: `per_client_acc.csv` in the run folder and a W&B table."""
     columns = list(table)
-    rows = list(zip(*table.values()))
+    rows = list(zip(*table.values(), strict=True))
     if trainer.log_dir is not None and trainer.loggers:
         path = Path(trainer.log_dir) / "per_client_acc.csv"
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -35,18 +35,18 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
 from workbench.console import SWEEP_ENV
 from workbench.files import write_text_atomically
 from workbench.report.runs import last_value, read_metrics
-
 
 # A string that YAML would have read as a number had it been written `1.0e-4`: PyYAML reads
 # `1e-4` as text, and W&B would then sweep over the text.
@@ -253,7 +253,7 @@ def expand_runs(sweep: Sweep, count: int | None = None, seed: int = 0) -> list[d
     if sweep.method == "grid":
         names = list(sweep.parameters)
         product = itertools.product(*(grid_values(n, sweep.parameters[n]) for n in names))
-        return [dict(zip(names, values)) for values in itertools.islice(product, count)]
+        return [dict(zip(names, values, strict=True)) for values in itertools.islice(product, count)]
     if sweep.method == "random":
         if count is None:
             raise ValueError("a random sweep draws until stopped: give the number of runs, --count")
@@ -283,7 +283,7 @@ def value_labels(values: dict[str, Any]) -> list[str]:
     """`leaf=value` per parameter (`alpha=0.1`), the full key where two leaves coincide."""
     leaves = [key.rsplit(".", 1)[-1] for key in values]
     return [f"{leaf if leaves.count(leaf) == 1 else key}={_text(value)}"
-            for (key, value), leaf in zip(values.items(), leaves)]
+            for (key, value), leaf in zip(values.items(), leaves, strict=True)]
 
 
 def run_name(values: dict[str, Any]) -> str:

@@ -17,8 +17,8 @@ from one forward pass (forward hooks; no second pass per layer). Pooling per lay
 Layer names: module paths of the timm network (`blocks.3`, `layer2`, ...), or the preset
 `all_stages`: every stage of a CNN (`blocks.<i>` of an EfficientNet/MobileNet, timm's
 `feature_info` modules otherwise, less a last one that feeds the pool directly) and every
-transformer block of a ViT but the last (whose pooled output is the final vector). For a text backbone, layer indices (`3` or `"3"`) or `all_stages`
-(every transformer layer but the last).
+transformer block of a ViT but the last (whose pooled output is the final vector). For a text
+backbone, layer indices (`3` or `"3"`) or `all_stages` (every transformer layer but the last).
 """
 
 from __future__ import annotations

@@ -44,8 +44,9 @@ def check_inputs(dataset: str, inputs: str, backbone: str, cache_dir: str, hf: O
                                  "use data.inputs=features")
             return
     elif dataset not in DATASETS:
-        raise ValueError(f"unknown dataset {dataset!r}; choose one of: {', '.join([*DATASETS.names(), 'synthetic', 'hf'])} "
-                         "(`python -m workbench list` describes them)")
+        names = ", ".join([*DATASETS.names(), "synthetic", "hf"])
+        raise ValueError(f"unknown dataset {dataset!r}; choose one of: {names} (`python -m workbench list` "
+                         "describes them)")
     else:
         kind = DATASETS.modality(dataset)
     if inputs == "images":
@@ -61,10 +62,11 @@ def check_inputs(dataset: str, inputs: str, backbone: str, cache_dir: str, hf: O
     if backbone_kind != kind:
         choices = ", ".join(list_backbones(modality=kind))
         raise ValueError(f"dataset {dataset!r} holds {kind}s but backbone {backbone!r} is not a {kind} backbone; "
-                         f"set data.backbone to one of {choices}" + (" or any timm model name" if kind == "image" else ""))
+                         f"set data.backbone to one of {choices}"
+                         + (" or any timm model name" if kind == "image" else ""))
     check_writable(cache_dir, dataset)
 
-@dataclass
+@dataclass(frozen=True)
 class SyntheticBlobs:
     """Gaussian class blobs drawn directly in feature space (dataset `synthetic`, no backbone).
 
@@ -370,7 +372,8 @@ class FederatedDataModule(LightningDataModule):
             where = ""
             if client_ids is not None:
                 clients = torch.unique(client_ids[bad_rows]).tolist()
-                where = f" of client{'s' if len(clients) > 1 else ''} {clients if len(clients) <= 10 else [*clients[:10], '...']}"
+                shown = clients if len(clients) <= 10 else [*clients[:10], "..."]
+                where = f" of client{'s' if len(clients) > 1 else ''} {shown}"
             source = "the generated data" if self.args.dataset == "synthetic" else (
                 "the raw images" if self.args.inputs == "images" else f"the cached features in {self.args.cache_dir}")
             raise ValueError(

@@ -12,9 +12,9 @@ from __future__ import annotations
 import gzip
 import hashlib
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -28,15 +28,15 @@ from workbench.data.registry import (
 )
 
 __all__ = [
-    "ImageSplit",
-    "ImageDataset",
-    "IdxFormatError",
-    "load_dataset",
-    "list_datasets",
-    "dataset_modality",
-    "register_dataset",
-    "read_idx",
     "DEFAULT_DATA_DIR",
+    "IdxFormatError",
+    "ImageDataset",
+    "ImageSplit",
+    "dataset_modality",
+    "list_datasets",
+    "load_dataset",
+    "read_idx",
+    "register_dataset",
 ]
 
 # Where the Debian package `dataset-fashion-mnist` installs the IDX files.

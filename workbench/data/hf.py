@@ -36,7 +36,7 @@ SUFFIX_BUILDERS = {".csv": "csv", ".tsv": "csv", ".parquet": "parquet", ".json":
 IMAGE_MODES = {"L": 1, "RGB": 3}  # the two layouts an ImageSplit holds: (H, W) and (H, W, 3)
 
 
-@dataclass
+@dataclass(frozen=True)
 class OwnData:
     """Settings of `data.dataset: hf` (see the module docstring).
 

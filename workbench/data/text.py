@@ -37,7 +37,7 @@ from torch import Tensor
 
 from workbench.data.registry import register_dataset
 
-__all__ = ["TextSplit", "TextDataset", "email_text", "content_ranked_split"]
+__all__ = ["TextDataset", "TextSplit", "content_ranked_split", "email_text"]
 
 SPAM_ASSASSIN_CLASSES = ("ham", "spam")
 SPAM_ASSASSIN_SPLIT_SEED = 0
@@ -167,7 +167,7 @@ def _load_spam_assassin(data_dir: Path, download: bool) -> TextDataset:
                                    SPAM_ASSASSIN_SPLIT_SEED)
 
     def split(mask: np.ndarray) -> TextSplit:
-        return TextSplit(tuple(t for t, m in zip(texts, mask) if m), torch.from_numpy(labels[mask]))
+        return TextSplit(tuple(t for t, m in zip(texts, mask, strict=True) if m), torch.from_numpy(labels[mask]))
 
     return TextDataset(
         name="spam_assassin", train=split(~is_test), test=split(is_test),

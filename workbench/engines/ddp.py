@@ -71,13 +71,13 @@ def client_shard(client_ids: Tensor, rank: int, world_size: int) -> slice:
         raise ValueError("client_shard needs the training rows ordered by client id")
     changes = (client_ids[1:] != client_ids[:-1]).nonzero().squeeze(1) + 1
     starts = torch.cat([changes.new_zeros(1), changes]).tolist() if n else []
-    ends = starts[1:] + [n]
+    ends = [*starts[1:], n]
     if len(starts) < world_size:
         raise ValueError(
             f"process {rank} of {world_size} would get no client: only {len(starts)} clients hold training "
             f"data; run on fewer devices (trainer.devices), or partition the data into more clients")
     owners, previous = [], -1  # the first client goes to process 0
-    for k, (start, end) in enumerate(zip(starts, ends)):
+    for k, (start, end) in enumerate(zip(starts, ends, strict=True)):
         balanced = (start + end) * world_size // (2 * n)
         lowest = max(previous, world_size - len(starts) + k)  # the clients left must cover the processes left
         owners.append(previous := min(max(balanced, lowest), previous + 1, world_size - 1))

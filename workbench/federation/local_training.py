@@ -90,7 +90,7 @@ def _schedule(client_ids: Tensor, clients: Tensor, *, epochs: int, batch_size: i
     first = torch.cumsum(counts, 0) - counts
     host_counts = counts.tolist()
     keys = torch.cat([torch.rand(epochs, count, generator=client_generator(seed, client), dtype=torch.float64)
-                      for client, count in zip(clients.tolist(), host_counts)], 1).to(device)
+                      for client, count in zip(clients.tolist(), host_counts, strict=True)], 1).to(device)
     steps = torch.tensor([-(-count // batch_size) for count in host_counts])  # ceil(n_k / B) per client
     steps_per_epoch = int(steps.max())  # the busiest client's
     active = (steps[None, :] > torch.arange(steps_per_epoch)[:, None]).sum(1).tolist()  # clients with a batch
@@ -343,7 +343,7 @@ def lbfgs(
             has_history, 1 / (rho[:, -1] * newest_yy).clamp_min(tiny), torch.ones_like(newest_yy)
         )
         direction = q * scale[:, None]
-        for slot, alpha in zip(range(history), reversed(alphas)):
+        for slot, alpha in zip(range(history), reversed(alphas), strict=True):
             beta = rho[:, slot] * (y_hist[:, slot] * direction).sum(1)
             direction = direction + (alpha - beta)[:, None] * s_hist[:, slot]
         # A direction that does not descend (numerical trouble) restarts from steepest descent.

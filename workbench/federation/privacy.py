@@ -245,13 +245,15 @@ class ClientLevelDP:
         private), else the clients that uploaded."""
         return self.expected_cohort if self.protocol.sample_rate < 1 and self.cohort is None else survivors
 
-    def privatize(self, uploads: Mapping[str, Tensor], generator: torch.Generator) -> tuple[dict[str, Tensor], dict[str, float]]:
+    def privatize(self, uploads: Mapping[str, Tensor],
+                  generator: torch.Generator) -> tuple[dict[str, Tensor], dict[str, float]]:
         """The clipped sum with N(0, (zC)²) noise (without `WITHIN_CLIP`), and this round's metrics;
         moves C under adaptive clipping."""
         uploads = dict(uploads)
         within = float(uploads.pop(WITHIN_CLIP, torch.zeros(())))
         p, clip = self.protocol, self.clip_norm
-        noisy = add_gaussian_noise(uploads, p.dp_noise_multiplier * clip, generator) if p.dp_noise_multiplier else uploads
+        noisy = (add_gaussian_noise(uploads, p.dp_noise_multiplier * clip, generator) if p.dp_noise_multiplier
+                 else uploads)
         metrics = {"privacy/clip_norm": clip}
         if self.adaptive:
             within += float(torch.randn((), generator=generator, dtype=torch.float64)) * self.count_stddev

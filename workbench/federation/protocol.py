@@ -139,7 +139,8 @@ class Federation:
             raise ValueError(f"federation.secagg_degree must be an even number ≥ 2 (k/2 neighbours on each side "
                              f"of the random ring), got {self.secagg_degree}: use {max(2, self.secagg_degree + 1)}")
         if self.secagg_threshold is not None and not self.secagg_threshold >= 1:
-            raise ValueError(f"federation.secagg_threshold must be ≥ 1 (shares per secret), got {self.secagg_threshold}")
+            raise ValueError(f"federation.secagg_threshold must be ≥ 1 (shares per secret), got "
+                             f"{self.secagg_threshold}")
         if None not in (self.secagg_degree, self.secagg_threshold) and self.secagg_threshold > self.secagg_degree:
             raise ValueError(f"federation.secagg_threshold = {self.secagg_threshold} exceeds secagg_degree = "
                              f"{self.secagg_degree}, the shares each secret has: lower the threshold or raise "
@@ -167,7 +168,8 @@ class Federation:
             raise ValueError(f"federation.dp_count_stddev must be > 0, got {self.dp_count_stddev}")
         if not 0 < self.dp_delta < 1:
             raise ValueError(f"federation.dp_delta must be in (0, 1), got {self.dp_delta}")
-        if self.target_epsilon is not None and not (self.target_epsilon > 0 and (self.dp_sigma > 0 or self.dp_clip > 0)):
+        noised = self.dp_sigma > 0 or self.dp_clip > 0
+        if self.target_epsilon is not None and not (self.target_epsilon > 0 and noised):
             raise ValueError(f"federation.target_epsilon = {self.target_epsilon} needs a noised protocol and a "
                              "positive budget: set dp_clip and dp_noise_multiplier (gradient methods) or "
                              "dp_sigma and feature_clip (analytic methods)")

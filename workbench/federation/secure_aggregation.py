@@ -194,7 +194,7 @@ def harary_neighbours(participants: list[int], degree: int, seed: int, round_ind
     half = degree // 2
     offsets = np.concatenate([np.arange(1, half + 1), -np.arange(1, half + 1)])
     linked = np.sort(order[(np.arange(n)[:, None] + offsets) % n], axis=1)  # (n, degree)
-    return {int(u): row.tolist() for u, row in zip(order, linked)}
+    return {int(u): row.tolist() for u, row in zip(order, linked, strict=True)}
 
 
 def binomial_tail(trials: int, probability: float, at_least: int) -> float:
@@ -377,7 +377,7 @@ class SecureAggregator:
             count = 2 * self.threshold  # sk, b and 2 (t − 1) coefficients
             words = np.random.SeedSequence([self.seed, self.round_index, SECRETS_STREAM, client]
                                            ).generate_state(2 * count, np.uint64).tolist()
-            values = [(high << 64 | low) % shamir.PRIME for low, high in zip(words[::2], words[1::2])]
+            values = [(high << 64 | low) % shamir.PRIME for low, high in zip(words[::2], words[1::2], strict=True)]
             t = self.threshold
             self._secrets[client] = (values[0], values[1], values[2:t + 1], values[t + 1:])
         return self._secrets[client]
@@ -397,7 +397,7 @@ class SecureAggregator:
         key, self_seed, _, _ = self._client_secrets(client)
         seeds = [((SPARSE_PAIR_TAG, key * self.public_key(other) % shamir.PRIME), 1 if other > client else -1)
                  for other in self.neighbours[client]]
-        return seeds + [((SELF_TAG, self_seed), 1)]
+        return [*seeds, ((SELF_TAG, self_seed), 1)]
 
     def masked_upload(self, client: int, upload: Mapping[str, Tensor]) -> Tensor:
         """Client `client`'s message y_i: its encoded upload plus its masks, (length,) int64."""

@@ -48,7 +48,7 @@ def reconstruct(shares: Mapping[int, int], threshold: int, *, what: str = "a sec
     xs = [h + 1 for h in holders]
     # Σ y_h · num_h / den_h kept as one fraction N / D: a single inversion instead of t
     total_numerator, total_denominator = 0, 1
-    for h, x_h in zip(holders, xs):
+    for h, x_h in zip(holders, xs, strict=True):
         numerator = denominator = 1
         for x_m in xs:
             if x_m != x_h:

@@ -1,15 +1,16 @@
 """Federated methods. Each one is a `FederatedMethod` (server half) with its `ClientHalf`, in a file of its own."""
 from workbench.methods.afl import AFL
 from workbench.methods.anapfl import AnaPFL
-from workbench.methods.local_only import LocalOnly
+from workbench.methods.base import ClientHalf, Cohort, FederatedMethod, Problem, RoundPlan, Upload
+from workbench.methods.deepafl import DeepAFL
+from workbench.methods.ditto import Ditto
 from workbench.methods.fedavg import FedAvg, FedProx
 from workbench.methods.fedavgm import FedAvgM
-from workbench.methods.ditto import Ditto
-from workbench.methods.osfed import OSFED
-from workbench.methods.scaffold import SCAFFOLD
-from workbench.methods.deepafl import DeepAFL
-from workbench.methods.safle import SAFLe
 from workbench.methods.ghofl import GHOFL
-from workbench.methods.base import ClientHalf, Cohort, FederatedMethod, Problem, RoundPlan, Upload
+from workbench.methods.local_only import LocalOnly
+from workbench.methods.osfed import OSFED
+from workbench.methods.safle import SAFLe
+from workbench.methods.scaffold import SCAFFOLD
 
-__all__ = ["AFL", "AnaPFL", "LocalOnly", "FedAvg", "FedProx", "FedAvgM", "Ditto", "OSFED", "SCAFFOLD", "DeepAFL", "SAFLe", "GHOFL", "ClientHalf", "Cohort", "FederatedMethod", "Problem", "RoundPlan", "Upload"]
+__all__ = ["AFL", "GHOFL", "OSFED", "SCAFFOLD", "AnaPFL", "ClientHalf", "Cohort", "DeepAFL", "Ditto", "FedAvg",
+           "FedAvgM", "FedProx", "FederatedMethod", "LocalOnly", "Problem", "RoundPlan", "SAFLe", "Upload"]

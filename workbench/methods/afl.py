@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from types import MappingProxyType
 
 import torch
 from torch import Tensor
@@ -103,7 +104,7 @@ class AFL(FederatedMethod):
     `selected_gamma_out`, the γ_out of the solve.
     """
 
-    uploads = {"gram": SYMMETRIC, "cross": SUMMED, **SELECTION_UPLOADS}
+    uploads = MappingProxyType({"gram": SYMMETRIC, "cross": SUMMED, **SELECTION_UPLOADS})
 
     def __init__(self, gamma: float = 1.0, gamma_out: float = 0.0, bias: bool = False,
                  dtype: str = "float64", gamma_grid: Sequence[float] | None = None, holdout_fraction: float = 0.1,

@@ -56,6 +56,7 @@ the last fit (`holdout_accuracy`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -217,7 +218,8 @@ class AnaPFL(AFL):
     """
 
     personalized = True
-    uploads = {"gram": SYMMETRIC, "cross": SUMMED, "holdout_accuracy": SUMMED, "holdout_clients": SUMMED}
+    uploads = MappingProxyType({"gram": SYMMETRIC, "cross": SUMMED, "holdout_accuracy": SUMMED,
+                                "holdout_clients": SUMMED})
 
     def __init__(self, hidden_dim: int = 1024, gamma: float = 1e-2, gamma_out: float = 1e-2, beta: float = 1.0,
                  lambdas: Sequence[float] = DEFAULT_LAMBDAS, holdout_fraction: float = 0.1, seed: int = 0,

@@ -22,11 +22,11 @@ A federated method is two pieces of code that only talk through messages:
   the protocol applies.
 
 A cohort is one or many **whole** clients; `client_update` must return exactly the sum (or the
-client-ordered stack, or for model updates the client-ordered rows) of what one-client calls return: in process one call runs every client of a
-round, vectorized; under Flower each ClientApp calls it for its own client; with several
-processes each process calls it for its clients. The engines (`workbench.engines`) move the
-messages, apply the protocol (dropouts, secure aggregation, noise) and log; a method never
-imports an engine.
+client-ordered stack, or for model updates the client-ordered rows) of what one-client calls
+return: in process one call runs every client of a round, vectorized; under Flower each ClientApp
+calls it for its own client; with several processes each process calls it for its clients. The
+engines (`workbench.engines`) move the messages, the protocol (`workbench.federation`: dropouts,
+clipping, secure aggregation, noise) acts on them, and a method never imports an engine.
 
 Client state lives in the client half's buffers, one slot per client it serves
 (`client_slots`): in process one half serves every client, under Flower each node's half serves

@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -287,7 +288,7 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
         hidden_gram, mixed = self.omega.new_zeros(f, f), self.omega.new_zeros(h, f)
         hidden_labels = self.omega.new_zeros(f, classes)
         gram, cross = (self.omega.new_zeros(h, h), self.omega.new_zeros(h, classes)) if restate else (None, None)
-        for part, sources in zip(cohort.batches(), self._fused_sources(cohort, layer)):
+        for part, sources in zip(cohort.batches(), self._fused_sources(cohort, layer), strict=True):
             rows = part.sample_index.to(self.phi.device)
             phi = self._fused_previous(part, layer, sources)
             hidden = self.block_features(phi, layer)  # F_t, computed once
@@ -327,7 +328,7 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
         cross = self.omega.new_zeros(side, classes)
         kept = (itertools.repeat((False,)) if round_index == 0 else  # per chunk: Φ_{t−1} kept
                 cohort.holds_per_batch(self.phi_depth[cohort.sample_index.to(self.phi.device)] == layer - 1))
-        for part, (part_kept,) in zip(cohort.batches(), kept):
+        for part, (part_kept,) in zip(cohort.batches(), kept, strict=False):  # round 0: `kept` repeats
             if round_index == 0:
                 phi = self._keep(part.sample_index.to(self.phi.device), self.input_features(part.features), 0)
             else:
@@ -374,8 +375,8 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
     as `depth/test_acc` with step t, through `step_metrics`).
     """
 
-    uploads = {"gram": SYMMETRIC, "cross": SUMMED, "hidden_gram": SYMMETRIC, "hidden_residual": SUMMED,
-               "hidden_labels": SUMMED, "mixed": SUMMED}
+    uploads = MappingProxyType({"gram": SYMMETRIC, "cross": SUMMED, "hidden_gram": SYMMETRIC, "hidden_residual": SUMMED,
+               "hidden_labels": SUMMED, "mixed": SUMMED})
 
     def __init__(self, num_layers: int = 20, hidden_dim: int = 1024, block_dim: int = 1024,
                  activation: str = "gelu", gamma: float = 1.0, gamma_s: float = 0.05, seed: int = 0,

@@ -50,7 +50,8 @@ class DittoClient(FedAvgClient):
         super().setup_state()
         self.personal = ClientTable(self.initial)
 
-    def client_update(self, round_index: int, broadcast: Mapping[str, Tensor], cohort: Cohort) -> tuple[Uploads, Metrics]:
+    def client_update(self, round_index: int, broadcast: Mapping[str, Tensor],
+                      cohort: Cohort) -> tuple[Uploads, Metrics]:
         self.receive(broadcast)
         if len(cohort.clients):
             # The personal step first: its proximal centre is w_t, the model just received.
@@ -72,7 +73,8 @@ class DittoClient(FedAvgClient):
         order = torch.argsort(ids, stable=True)  # the rows by client, those of no served client (−1) first
         clients, sizes = torch.unique_consecutive(ids[order], return_counts=True)
         personal = iter(self.personal.read(clients[clients >= 0]))
-        for client, rows in zip(clients.tolist(), order.split(sizes.tolist())):  # (read once, not per client)
+        # the personal models read once, not per client
+        for client, rows in zip(clients.tolist(), order.split(sizes.tolist()), strict=True):
             if client >= 0:
                 params = {name: value[0] for name, value in self.flat.unflatten(next(personal)[None]).items()}
                 logits[rows] = functional_call(self.net, params, (features[rows].to(dtype),))

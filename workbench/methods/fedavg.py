@@ -35,6 +35,8 @@ FedAvg is centralized minibatch SGD (tested).
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from torch import Tensor
 
 from workbench.federation.compression import Compression, ErrorFeedback
@@ -80,7 +82,7 @@ class FedAvg(GradientMethod):
             hidden_dim, local, sample_fraction, server_lr, seed).
     """
 
-    uploads = {"update": MODEL_UPDATE}  # with the compressor as its encoding once set up
+    uploads = MappingProxyType({"update": MODEL_UPDATE})  # with the compressor as its encoding once set up
     client_class = FedAvgClient
 
     def __init__(self, compression: Compression = Compression(), error_feedback: ErrorFeedback = ErrorFeedback(),
@@ -88,9 +90,10 @@ class FedAvg(GradientMethod):
         super().__init__(**kwargs)
         if compression.kind == "quantize" and not compression.quantize_symmetric and compression.quantize_bits < 4 \
                 and error_feedback.enabled:
-            raise ValueError(f"{compression.quantize_bits}-bit min-max quantization is not contractive (no level at 0), "
-                             "so its error feedback can grow without bound: set compression.quantize_symmetric=true "
-                             "(or compression.kind=sign for 1 bit), or error_feedback.enabled=false")
+            raise ValueError(f"{compression.quantize_bits}-bit min-max quantization is not contractive (no level at "
+                             "0), so its error feedback can grow without bound: set "
+                             "compression.quantize_symmetric=true (or compression.kind=sign for 1 bit), or "
+                             "error_feedback.enabled=false")
         self.compression, self.error_feedback = compression, error_feedback
 
     def setup_problem(self, problem: Problem) -> None:

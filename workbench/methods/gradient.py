@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 from torch import Tensor, nn
@@ -119,7 +120,8 @@ class GradientClient(ClientHalf):
         return local_sgd(self.net, features, cohort.labels, cohort.client_ids, cohort.clients,
                          batch_size=local.batch_size, seed=round_seed(self.seed, round_index, stream), **options)
 
-    def client_update(self, round_index: int, broadcast: Mapping[str, Tensor], cohort: Cohort) -> tuple[Uploads, Metrics]:
+    def client_update(self, round_index: int, broadcast: Mapping[str, Tensor],
+                      cohort: Cohort) -> tuple[Uploads, Metrics]:
         """Local SGD from the received w_t, then the method's message of each Δw_k (`encode`)."""
         self.receive(broadcast)
         if len(cohort.clients) == 0:
@@ -154,7 +156,8 @@ class GradientMethod(FederatedMethod):
 
     client_class: type[GradientClient] = GradientClient
     prox_mu = 0.0  # FedProx's μ: a proximal pull of local SGD towards w_t
-    moved_settings = {**MOVED_SETTINGS, **MOVED_VALUES}  # the command line names the new key of an old one
+    # the command line names the new key of a setting given the old way
+    moved_settings = MappingProxyType({**MOVED_SETTINGS, **MOVED_VALUES})
 
     def __init__(self, *, num_rounds: int = 20, architecture: Architecture = "mlp", hidden_dim: int = 256,
                  local: LocalTraining = LocalTraining(), sample_fraction: float = 1.0, server_lr: float = 1.0,

@@ -20,6 +20,8 @@ in which the clients fit their heads (`finish`, after the empty final broadcast)
 """
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 import torch.nn.functional as nnf
 from torch import Tensor
@@ -70,7 +72,7 @@ class LocalOnly(FederatedMethod):
 
     personalized = True
     global_model = False
-    uploads = {}
+    uploads = MappingProxyType({})
 
     def __init__(self, gamma: float = 1.0, dtype: str = "float64") -> None:
         super().__init__()

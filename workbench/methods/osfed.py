@@ -51,16 +51,16 @@ so above 1 the round moved the model farther from FedAvg's step than not moving 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, grad_and_value, vmap
 
-from workbench.federation.compression import as_sent
-from workbench.federation.local_training import client_generator, lbfgs
 from workbench.federation.codec import WireSize
-from workbench.federation.compression import ErrorFeedback
+from workbench.federation.compression import ErrorFeedback, as_sent
+from workbench.federation.local_training import client_generator, lbfgs
 from workbench.methods.base import STACKED, Cohort, Metrics, Problem, Upload, Uploads
 from workbench.methods.gradient import SNAPSHOTS, GradientClient, GradientMethod, round_seed
 
@@ -168,7 +168,7 @@ class SnapshotGeometry:
     ) -> tuple[Tensor, Tensor]:
         """(⟨g, Δg⟩, ‖g‖²) of one client's snapshot, summed tensor by tensor (no flat copy of g)."""
         grads = grad(self.snapshot_loss)(params, *self.unpack(variables))
-        inner = sum((grads[name] * part).sum() for name, part in zip(params, target))
+        inner = sum((grads[name] * part).sum() for name, part in zip(params, target, strict=True))
         square = sum((grads[name] ** 2).sum() for name in params)
         return inner, square
 
@@ -234,7 +234,7 @@ class SnapshotGeometry:
         target_parts = [
             part.reshape(len(targets), *value.shape)
             for part, value in zip(
-                targets.split([v.numel() for v in params.values()], 1), params.values()
+                targets.split([v.numel() for v in params.values()], 1), params.values(), strict=True
             )
         ]
 
@@ -341,8 +341,8 @@ class OSFED(SnapshotGeometry, GradientMethod):
 
     # a snapshot is no model update: client-level DP does not apply. The diagnostic upload (only with
     # `diagnostics`) is not part of the protocol: no bytes counted
-    uploads = {"snapshot_inputs": STACKED, "snapshot_labels": STACKED,
-               "diagnostic_update": Upload(encoding=WireSize(0))}
+    uploads = MappingProxyType({"snapshot_inputs": STACKED, "snapshot_labels": STACKED,
+               "diagnostic_update": Upload(encoding=WireSize(0))})
     client_class = OSFEDClient
 
     def __init__(self, snapshot: Snapshot = Snapshot(), error_feedback: ErrorFeedback = ErrorFeedback(),
@@ -362,6 +362,7 @@ class OSFED(SnapshotGeometry, GradientMethod):
             return {}
         fedavg = uploads["diagnostic_update"].to(update) / num_clients  # mean Δw, FedAvg's step
         size = fedavg.norm().clamp_min(torch.finfo(update.dtype).tiny)
+        tiny = torch.finfo(update.dtype).tiny
         return {"osfed/update_rel_error": float((update - fedavg).norm() / size),
-                "osfed/update_cosine": float(update @ fedavg / (update.norm() * size).clamp_min(torch.finfo(update.dtype).tiny)),
+                "osfed/update_cosine": float(update @ fedavg / (update.norm() * size).clamp_min(tiny)),
                 "osfed/update_norm_ratio": float(update.norm() / size)}

@@ -54,7 +54,7 @@ def client_holdout(labels: Tensor, client_ids: Tensor, clients: Tensor, fraction
     # drawn on the host by each client's own generator: the labels are read once (8 bytes a row)
     counts = counts_of(torch.searchsorted(clients, client_ids), len(clients)).tolist()
     parts = [stratified_holdout(part, fraction, holdout_seed(seed, k))
-             for part, k in zip(labels.cpu().split(counts), clients.tolist()) if len(part)]
+             for part, k in zip(labels.cpu().split(counts), clients.tolist(), strict=True) if len(part)]
     mask = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool)
     return mask.to(labels.device)
 

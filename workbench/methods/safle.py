@@ -59,6 +59,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Literal
 
 import torch
@@ -374,9 +375,9 @@ class SAFLe(SparseEmbedding, FederatedMethod):
         holdout_fraction: the share of each client's rows (per class) held out to choose γ_out.
     """
 
-    uploads = {"gram": SYMMETRIC, "cross": SUMMED,  # the solve round
+    uploads = MappingProxyType({"gram": SYMMETRIC, "cross": SUMMED,  # the solve round
                "feature_sum": SUMMED, "feature_square_sum": SUMMED, "count": SUMMED,  # the calibration round
-               "histogram": SUMMED, **SELECTION_UPLOADS}  # the quantile round; choosing γ_out
+               "histogram": SUMMED, **SELECTION_UPLOADS})  # the quantile round; choosing γ_out
 
     def __init__(self, bucketing: Literal["binary_overlap", "onehot", "integer"] = "binary_overlap",
                  levels: int = 8, thresholds: Literal["fixed", "calibrated", "quantile"] = "fixed",
@@ -507,8 +508,8 @@ class SAFLe(SparseEmbedding, FederatedMethod):
         rows = sum(len(active) for active, _ in ledger)
         if rows != round(float(uploads["ledger_rows"])):
             raise ValueError(
-                f"SAFLe's solver 'cg' sees {rows} of the round's {round(float(uploads['ledger_rows']))} training rows: it "
-                "needs every client in this process (the in-process engine, one process); set solver 'dense' "
+                f"SAFLe's solver 'cg' sees {rows} of the round's {round(float(uploads['ledger_rows']))} training rows: "
+                "it needs every client in this process (the in-process engine, one process); set solver 'dense' "
                 "for Flower or several processes")
         active = torch.cat([part for part, _ in ledger]) if ledger else torch.zeros(0, self.experts, dtype=torch.int32)
         held = torch.cat([part for _, part in ledger]) if ledger else torch.zeros(0, dtype=torch.bool)
@@ -531,7 +532,8 @@ class SAFLe(SparseEmbedding, FederatedMethod):
         classes = cross.shape[1]
         solution, iterations = multi_hot_ridge(design, cross.repeat(1, len(grid)), grid.repeat_interleave(classes),
                                                tolerance=self.cg_tolerance)
-        return solution.view(-1, len(grid), classes).transpose(0, 1).contiguous(), {"safle/cg_iterations_holdout": iterations}
+        candidates = solution.view(-1, len(grid), classes).transpose(0, 1).contiguous()
+        return candidates, {"safle/cg_iterations_holdout": iterations}
 
     def _solve(self, pending: dict, gamma_out: float, initial: Tensor | None = None) -> dict[str, float]:
         """W on all the rows with γ_out."""

@@ -33,6 +33,7 @@ x alone (predictions need no c).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 from torch import Tensor
@@ -54,7 +55,8 @@ class ScaffoldClient(GradientClient):
         # c_i for the clients that have taken part; c_i = 0 for the others
         self.control = ClientTable(torch.zeros(self.flat.vector().numel(), dtype=self.dtype))
 
-    def client_update(self, round_index: int, broadcast: Mapping[str, Tensor], cohort: Cohort) -> tuple[Uploads, Metrics]:
+    def client_update(self, round_index: int, broadcast: Mapping[str, Tensor],
+                      cohort: Cohort) -> tuple[Uploads, Metrics]:
         self.receive(broadcast)
         if len(cohort.clients) == 0:
             return {}, {}
@@ -84,7 +86,7 @@ class SCAFFOLD(GradientMethod):
             compressed).
     """
 
-    uploads = {"delta_y": DELTA, "delta_c": DELTA}
+    uploads = MappingProxyType({"delta_y": DELTA, "delta_c": DELTA})
     client_class = ScaffoldClient
 
     def __init__(self, **kwargs) -> None:

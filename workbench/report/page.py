@@ -141,8 +141,9 @@ def table_columns(runs: list[Run], metric: str, group_by: str) -> list[Column]:
     the personalized score and each GH-OFL head's accuracy get columns of their own when any
     run logged them."""
     logged = {key for run in runs for row in run.rows for key in row}
-    extra = [key for key in ["test/acc", "test/acc_local_mean", "test/acc_local_min"]
-             + sorted(k for k in logged if k.startswith("test/acc/")) if key in logged and key != metric]
+    candidates = ["test/acc", "test/acc_local_mean", "test/acc_local_min",
+                  *sorted(k for k in logged if k.startswith("test/acc/"))]
+    extra = [key for key in candidates if key in logged and key != metric]
     columns = [
         ("method", lambda r: r.method, None),
         ("engine", lambda r: r.engine, None),

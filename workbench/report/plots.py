@@ -76,7 +76,7 @@ def _aggregated(runs: list[Run], x_of: Callable[[Run], float], metric: str,
 
 
 def _scatter(ax, points, style, name) -> None:
-    xs, ys, stds, _ = zip(*points)
+    xs, ys, stds, _ = zip(*points, strict=True)
     ax.errorbar(xs, ys, yerr=stds, linestyle="none", markersize=6, capsize=3, alpha=0.85,
                 label=name, **style)
 
@@ -93,7 +93,7 @@ def accuracy_vs_bytes(runs: list[Run], metric: str, group_by: str, path: Path) -
     for group, points in sorted(by_group.items()):
         _scatter(ax, points, styles[group], group)
     front = pareto_front([(x, y) for points in by_group.values() for x, y, _, _ in points])
-    ax.plot(*zip(*front), color="black", linestyle="--", drawstyle="steps-post", linewidth=1,
+    ax.plot(*zip(*front, strict=True), color="black", linestyle="--", drawstyle="steps-post", linewidth=1,
             marker="o", markerfacecolor="none", markersize=11, label="Pareto front")
     ax.set(xscale="log", xlabel="bytes uploaded per client (log scale)", ylabel=metric,
            title=f"{metric} against communication")
@@ -112,7 +112,7 @@ def accuracy_vs_time(runs: list[Run], metric: str, group_by: str, path: Path) ->
         return None
     styles = group_styles(runs, group_by)
     fig = Figure(figsize=(12.8, 4.2))
-    for ax, (name, by_group) in zip(fig.subplots(1, 2), drawn):
+    for ax, (name, by_group) in zip(fig.subplots(1, 2), drawn, strict=True):
         for group, points in sorted(by_group.items()):
             _scatter(ax, points, styles[group], group)
         ax.set(xscale="log", xlabel=f"{name}, log scale", ylabel=metric, title=f"{metric} against {name}")
@@ -142,7 +142,7 @@ def accuracy_vs_alpha(runs: list[Run], metric: str, group_by: str, path: Path) -
     for name in set(names.values()):  # lines that share a name are told apart by what differs
         same = [key for key in lines if names[key] == name]
         if len(same) > 1:
-            for key, extra in zip(same, differences(same)):
+            for key, extra in zip(same, differences(same), strict=True):
                 names[key] = f"{name}, {extra}"
     sizes = sorted({run.num_clients for run in first.values()}, key=_sortable)
     fig = Figure(figsize=(6.4, 4.2))
@@ -170,7 +170,7 @@ def line_names(runs: list[Run], group_by: str) -> dict[int, tuple[str, str]]:
     names = {}
     for group, members in by_group.items():
         extras = differences([run.setting() for run in members]) if len(members) > 1 else [""]
-        for run, extra in zip(members, extras):
+        for run, extra in zip(members, extras, strict=True):
             names[id(run)] = (group, f"{group}, {extra}" if extra else group)
     return names
 
@@ -221,7 +221,7 @@ def accuracy_curves(runs: list[Run], group_by: str, path: Path) -> Path | None:
     styles = group_styles(runs, group_by)
     fig = Figure(figsize=(6.4 * len(panels), 4.2))
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
-    for ax, ((axis, metric), curves) in zip(axes, sorted(panels.items())):
+    for ax, ((axis, metric), curves) in zip(axes, sorted(panels.items()), strict=True):
         _draw_lines(ax, curves, line_names([run for run, _, _ in curves], group_by), styles)
         ax.set(xlabel=axis, ylabel=metric, title=f"{metric} by {axis}")
         ax.grid(True, alpha=0.3)

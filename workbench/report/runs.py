@@ -238,7 +238,7 @@ class Run:
         if key in ("K", "num_clients"):
             return self.num_clients
         parts = key.split(".")
-        for candidate in (parts, parts[:1] + ["init_args"] + parts[1:]):
+        for candidate in (parts, [*parts[:1], "init_args", *parts[1:]]):
             value: Any = self.config
             for part in candidate:
                 value = value.get(part) if isinstance(value, dict) else None

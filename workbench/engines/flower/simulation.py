@@ -21,8 +21,7 @@ from lightning import Trainer
 
 from workbench.engines.flower import INSTALL_HINT
 from workbench.engines.flower.client_app import app as client_app
-from workbench.engines.flower.transport import (DEPLOYED_GRID, NODE_WAIT_S, FlowerClients, FlowerTraffic,
-                                                 LogTraffic)
+from workbench.engines.flower.transport import DEPLOYED_GRID, NODE_WAIT_S, FlowerClients, FlowerTraffic, LogTraffic
 from workbench.engines.lightning import LightningEngine
 
 
