@@ -25,6 +25,7 @@ On the command line `--trainer.strategy=ddp` selects it; in Python pass
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING, cast
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
@@ -33,6 +34,9 @@ from torch import Tensor, nn
 from workbench.engines.local import LocalClients
 from workbench.engines.round import Replies, RoundRequest, add_metrics, layout_of
 from workbench.federation.secure_aggregation import ring_sum
+
+if TYPE_CHECKING:
+    from workbench.engines.lightning import LightningEngine
 
 
 class FederatedDDPStrategy(DDPStrategy):
@@ -43,7 +47,7 @@ class FederatedDDPStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         # No DistributedDataParallel: rounds synchronize their own statistics. Start every
         # process from rank 0's global model (each process keeps its own clients' state).
-        broadcast_module_state(self.model.method)
+        broadcast_module_state(cast("LightningEngine", self.model).method)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
@@ -103,8 +107,9 @@ def end_processes() -> None:
     go of it last."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
-    gloo = (torch.distributed.group.WORLD._get_backend(torch.device("cpu"))
-            if torch.distributed.get_backend() == "gloo" else None)
+    world = torch.distributed.group.WORLD
+    gloo = (world._get_backend(torch.device("cpu"))
+            if world is not None and torch.distributed.get_backend() == "gloo" else None)
     torch.distributed.destroy_process_group()
     del gloo  # the last reference: ~ProcessGroupGloo joins its threads with the GIL released
 

@@ -36,7 +36,7 @@ round's aggregated uploads are checked for NaN/inf before the server solves or s
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 from lightning import LightningModule
@@ -52,6 +52,15 @@ from workbench.federation.privacy import clip_features
 from workbench.methods.base import FederatedMethod, Problem
 from workbench.runlog import save_per_client_table
 from workbench.settings import init_arguments, plain
+
+
+@runtime_checkable
+class ScoresLocally(Protocol):
+    """A transport whose clients score their own local test splits where they live (Flower's)."""
+
+    def local_accuracy(self) -> tuple[Tensor, Tensor]:
+        """(correct (K,), total (K,)) int64 of every client's own model on its local test split."""
+        ...
 
 
 class LightningEngine(LightningModule):
@@ -77,6 +86,20 @@ class LightningEngine(LightningModule):
         self.clients: Transport | None = None
         self.fit_metrics: dict[str, float] = {}
         self.local_accuracy: dict[str, list] | None = None
+        self._totals: dict[str, float] = {}  # the fit's running bytes and seconds
+        self._restored_totals: dict[str, float] | None = None  # a checkpoint's, until the resumed fit starts
+
+    @property
+    def data(self) -> Any:
+        """The run's FederatedDataModule (Lightning sets `trainer.datamodule` at run time)."""
+        return getattr(self.trainer, "datamodule", None)
+
+    @property
+    def transport(self) -> Transport:
+        """Who runs the clients (set up in `setup`)."""
+        if self.clients is None:
+            raise RuntimeError("the engine's clients are set up with the data: call trainer.fit/test first")
+        return self.clients
 
     @property
     def federation(self) -> Federation:
@@ -90,7 +113,7 @@ class LightningEngine(LightningModule):
 
     # ---- setup ----------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
-        data = self.trainer.datamodule
+        data = self.data
         if data is None:
             raise RuntimeError("a federated method needs a FederatedDataModule (`data:` in the config)")
         if stage == "fit":
@@ -162,10 +185,9 @@ class LightningEngine(LightningModule):
             raise RuntimeError(
                 f"this model is already fitted ({self.method.round} rounds and the final broadcast); start "
                 "from a fresh model (drop `ckpt_path`, or resume from a `last.ckpt` of an unfinished fit)")
-        data = self.trainer.datamodule
-        self.available = torch.unique(data.train_client_ids).to(self.device)  # clients with data
+        self.available = torch.unique(self.data.train_client_ids).to(self.device)  # clients with data
         self._totals = {"bytes_up": 0, "bytes_down": 0, "client_s": 0.0, "server_s": 0.0, "secure_s": 0.0}
-        restored = getattr(self, "_restored_totals", None) or {}
+        restored = self._restored_totals or {}
         self._totals.update(restored)  # a resumed fit: its numbers continue from the checkpoint's
         self._fit_start = time.perf_counter() - float(restored.get("fit_s", 0.0))
         self._totals.pop("fit_s", None)
@@ -185,7 +207,7 @@ class LightningEngine(LightningModule):
             self._finish()
 
     def _run_round(self) -> None:
-        result = run_round(self.method, self.clients, self.protocol, self.available)
+        result = run_round(self.method, self.transport, self.protocol, self.available)
         if self.trainer.world_size > 1:  # every process holds rank 0's model
             ddp.broadcast_module_state(self.method)
         self._add_round(result)
@@ -202,16 +224,16 @@ class LightningEngine(LightningModule):
         totals["secure_s"] += result.secure_s
         for name, value in result.secagg_costs.items():  # the clients' mask streams and shares, the server's streams
             totals[f"secagg_{name}"] = totals.get(f"secagg_{name}", 0) + value
-        times = {}  # the clients' time/* metrics: totals over the clients and rounds
-        for name, value in result.client_time_sums.items():
-            totals[name] = times[name] = totals.get(name, 0.0) + value
+        times: dict[str, float] = {}  # the clients' time/* metrics: totals over the clients and rounds
+        for name, seconds in result.client_time_sums.items():
+            totals[name] = times[name] = totals.get(name, 0.0) + seconds
         self.fit_metrics.update({**result.metrics, **times})
         if self.protocol.privacy.clip_norm is not None:
             totals["dp_clip_norm"] = self.protocol.privacy.clip_norm
 
     def _finish(self) -> None:
         """The final broadcast to every client, and their local work on it."""
-        final = run_final(self.method, self.clients)
+        final = run_final(self.method, self.transport)
         self._totals["bytes_down"] += final.bytes_down
         self._totals["client_s"] += final.client_s
         served = max(len(self.available), 1)
@@ -241,10 +263,10 @@ class LightningEngine(LightningModule):
     @torch.no_grad()
     def _log_steps(self) -> None:
         """The method's metrics against its own steps (`step_metrics`)."""
-        data = self.trainer.datamodule
-        test = getattr(data, "test_features", None)
-        test = (test.to(self.device), data.test_labels.to(self.device)) if test is not None else (None, None)
-        for step, metrics in self.method.step_metrics(*test, self.fit_metrics):
+        features = getattr(self.data, "test_features", None)
+        labels = self.data.test_labels.to(self.device) if features is not None else None
+        features = features.to(self.device) if features is not None else None
+        for step, metrics in self.method.step_metrics(features, labels, self.fit_metrics):
             for logger in self.loggers:
                 logger.log_metrics(metrics, step=step)
 
@@ -289,16 +311,17 @@ class LightningEngine(LightningModule):
             if method.global_model:
                 self._evaluate(method(inputs), batch["labels"], self.test_acc, "test/acc")
             for head, logits in method.head_logits(inputs).items():
-                self._evaluate(logits, batch["labels"], self.head_acc[head], f"test/acc/{head}")
+                self._evaluate(logits, batch["labels"], cast(MulticlassAccuracy, self.head_acc[head]),
+                               f"test/acc/{head}")
             return
         client_ids = batch["client_ids"]  # a client's local test split (personalized protocol)
         if self._scored_remotely():
             return
-        features, labels = inputs, batch["labels"]
-        if self.trainer.world_size > 1:  # each process scores the clients it serves; summed at the end
-            mine = torch.isin(client_ids, self.clients.served)
+        features, labels, clients = inputs, batch["labels"], self.transport
+        if isinstance(clients, ddp.ProcessClients):  # each process scores the clients it serves; summed at the end
+            mine = torch.isin(client_ids, clients.served)
             features, labels, client_ids = features[mine], labels[mine], client_ids[mine]
-        logits = self.clients.predict(features, client_ids) if method.personalized else method(features)
+        logits = clients.predict(features, client_ids) if method.personalized else method(features)
         correct = logits.argmax(dim=1).eq(labels)
         self._local_correct.index_add_(0, client_ids, correct.long())
         self._local_total.index_add_(0, client_ids, torch.ones_like(client_ids))
@@ -306,10 +329,10 @@ class LightningEngine(LightningModule):
     def _scored_remotely(self) -> bool:
         """The clients score their own local test splits where they live (a transport with
         `local_accuracy() -> (correct (K,), total (K,))`, e.g. Flower's) instead of `predict`."""
-        return self.method.personalized and hasattr(self.clients, "local_accuracy")
+        return self.method.personalized and isinstance(self.clients, ScoresLocally)
 
     def on_test_epoch_end(self) -> None:
-        if self._scored_remotely():
+        if isinstance(self.clients, ScoresLocally) and self._scored_remotely():
             correct, total = self.clients.local_accuracy()
             self._local_correct += correct.to(self.device)
             self._local_total += total.to(self.device)

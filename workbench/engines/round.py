@@ -177,6 +177,8 @@ def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtoc
     secure_s = 0.0
     if secure is not None:  # the exact sum of the survivors' uploads, from the ring sum of their messages
         if secure.layout is None:  # no survivor was masked here (a remote transport, another process's clients)
+            if replies.layout is None:
+                raise RuntimeError(f"round {round_index}: no masked upload reached the server to unmask")
             secure.layout = UploadLayout(replies.layout, secure.symmetric)
         total = replies.masked if replies.masked is not None else torch.zeros(secure.layout.length, dtype=torch.int64)
         uploads = {name: value.to(cohort.device)
@@ -189,7 +191,8 @@ def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtoc
     server_metrics = method.finish_round(uploads, privacy.denominator(len(survivors)))
     server_s += time.perf_counter() - start - secure_s
 
-    client_means, client_times = {}, {}
+    client_means: dict[str, float] = {}
+    client_times: dict[str, float] = {}
     for name, value in replies.metric_sums.items():  # means over the survivors; times are totals
         (client_times if name.startswith("time/") else client_means)[name] = (
             value if name.startswith("time/") else value / len(survivors))

@@ -16,6 +16,10 @@ from torch import Tensor, nn
 class ClientTable(nn.Module):
     """Rows of shape `initial.shape` for the clients written so far; `initial` for the others."""
 
+    initial: Tensor  # (*shape,)
+    ids: Tensor  # (k,) sorted client ids
+    rows: Tensor  # (k, *shape)
+
     def __init__(self, initial: Tensor) -> None:
         super().__init__()
         self.register_buffer("initial", initial.detach().clone(), persistent=False)

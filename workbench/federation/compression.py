@@ -259,6 +259,7 @@ class Residuals(nn.Module):
         if self.bound is not None or self.decay != 1:
             if updates is None and self.bound is not None:
                 raise ValueError("Residuals.keep needs the fresh updates to apply the error feedback's bound")
-            residual = guarded_residual(residual, updates, bound=self.bound, decay=self.decay)
+            residual = guarded_residual(residual, updates if updates is not None else residual, bound=self.bound,
+                                        decay=self.decay)
         self.residuals.write(clients, residual)
         return residual

@@ -279,12 +279,12 @@ def local_sgd(
             index, mask = index[:active], mask[:active]  # the clients with a batch: a prefix
             weight = mask.to(features.dtype) / mask.sum(1, keepdim=True)
             prefix = {name: value[:active] for name, value in params.items()}
-            c = {
+            centers = {
                 name: value[:active] if center_per_client[name] else value
                 for name, value in center.items()
             }
             with torch.enable_grad():
-                step = client_grad(prefix, c, features[index], labels[index], weight)
+                step = client_grad(prefix, centers, features[index], labels[index], weight)
             for name, value in prefix.items():
                 direction = step[name] + shift[name][:active] if name in shift else step[name]
                 if plain:

@@ -49,7 +49,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import torch
 from torch import Tensor
@@ -255,7 +255,7 @@ class ClientLevelDP:
         noisy = (add_gaussian_noise(uploads, p.dp_noise_multiplier * clip, generator) if p.dp_noise_multiplier
                  else uploads)
         metrics = {"privacy/clip_norm": clip}
-        if self.adaptive:
+        if p.dp_clip_quantile is not None:  # adaptive clipping
             within += float(torch.randn((), generator=generator, dtype=torch.float64)) * self.count_stddev
             fraction = within / self.expected_cohort
             self.clip_norm = clip * math.exp(-p.dp_clip_lr * (fraction - p.dp_clip_quantile))
@@ -313,6 +313,7 @@ class FitPrivacy:
     def __init__(self, method, protocol: Federation, population: int, clip_norm: float | None = None) -> None:
         self.protocol = protocol
         self.client_level = ClientLevelDP(protocol, population) if protocol.client_level_dp else None
+        self._epsilon: Callable[[int], float | None]
         if self.client_level is not None:
             if clip_norm is not None:
                 self.client_level.clip_norm = clip_norm
@@ -346,7 +347,8 @@ class FitPrivacy:
                symmetric: Collection[str]) -> tuple[dict[str, Tensor], dict[str, float]]:
         """The round's aggregate as the server solves on it (with its noise, without `WITHIN_CLIP`),
         and the round's privacy metrics (`privacy/*`)."""
-        protocol, metrics = self.protocol, {}
+        protocol = self.protocol
+        metrics: dict[str, float] = {}
         uploads = dict(uploads)
         if protocol.dp_sigma > 0:
             uploads = add_gaussian_noise(uploads, protocol.dp_sigma, protocol.generator(round_index, NOISE_STREAM),

@@ -141,7 +141,8 @@ class Federation:
         if self.secagg_threshold is not None and not self.secagg_threshold >= 1:
             raise ValueError(f"federation.secagg_threshold must be ≥ 1 (shares per secret), got "
                              f"{self.secagg_threshold}")
-        if None not in (self.secagg_degree, self.secagg_threshold) and self.secagg_threshold > self.secagg_degree:
+        if (self.secagg_degree is not None and self.secagg_threshold is not None
+                and self.secagg_threshold > self.secagg_degree):
             raise ValueError(f"federation.secagg_threshold = {self.secagg_threshold} exceeds secagg_degree = "
                              f"{self.secagg_degree}, the shares each secret has: lower the threshold or raise "
                              "the degree")

@@ -407,10 +407,17 @@ class SecureAggregator:
         encoded = layout.flatten(upload, self.fixed_point_bits, len(self.participants))
         return ring_add(encoded, self.streams.signed_sum(self._mask_seeds(client), layout.length))
 
+    @property
+    def sparse_neighbours(self) -> dict[int, list[int]]:
+        """SecAgg+'s neighbours N(i) of every participant (a `sparse` round's)."""
+        if self.neighbours is None:
+            raise ValueError("an all-pairs (complete) round has no graph of neighbours and no shares")
+        return self.neighbours
+
     def shares_held(self, holder: int) -> dict[int, tuple[int, int]]:
         """What client `holder` received in step 3: {dealer: (share of sk, share of b)} from each neighbour."""
         held = {}
-        for dealer in self.neighbours[holder]:
+        for dealer in self.sparse_neighbours[holder]:
             key, self_seed, key_coefficients, self_coefficients = self._client_secrets(dealer)
             held[dealer] = (shamir.share(key, key_coefficients, holder),
                             shamir.share(self_seed, self_coefficients, holder))
@@ -419,9 +426,10 @@ class SecureAggregator:
     def reveal(self, survivors: Collection[int]) -> dict[tuple[str, int], dict[int, int]]:
         """Step 5, the survivors' answers: {("self", u) or ("key", u): {holder: share}}. A survivor
         gives, for each neighbour u, the share of b_u if u uploaded, else the share of sk_u."""
-        uploaded, revealed = set(survivors), {}
+        uploaded = set(survivors)
+        revealed: dict[tuple[str, int], dict[int, int]] = {}
         for holder in sorted(uploaded):
-            for dealer in self.neighbours[holder]:
+            for dealer in self.sparse_neighbours[holder]:
                 key, self_seed, key_coefficients, self_coefficients = self._client_secrets(dealer)
                 kind, secret, coefficients = (("self", self_seed, self_coefficients) if dealer in uploaded
                                               else ("key", key, key_coefficients))
@@ -432,7 +440,7 @@ class SecureAggregator:
     # ---- the server's side --------------------------------------------------------------------
     def receive(self, masked: Tensor) -> None:
         """The server adds one masked message to its running ring sum."""
-        self.total = ring_add(self.total, masked)
+        self.total = masked.clone() if self.total is None else ring_add(self.total, masked)
 
     def add(self, client: int, upload: Mapping[str, Tensor]) -> None:
         """A client masks its upload and the server receives it."""
@@ -447,9 +455,10 @@ class SecureAggregator:
         the masks shared with dropped neighbours. Raises RuntimeError when a secret the server
         needs has fewer than t shares.
         """
+        if self.layout is None:
+            raise RuntimeError("unmask needs the uploads' layout: set it from one client's upload (set_layout)")
         survivors = sorted({int(c) for c in uploaded})
-        length = self.layout.length
-        masks = self.streams.signed_sum(self._leftover_seeds(survivors, revealed), length)
+        masks = self.streams.signed_sum(self._leftover_seeds(survivors, revealed), self.layout.length)
         return self.layout.unflatten(ring_sub(total, masks), self.fixed_point_bits)
 
     def _leftover_seeds(self, survivors: list[int], revealed) -> list[tuple[tuple[int, ...], int]]:
@@ -460,9 +469,10 @@ class SecureAggregator:
             return [((PAIR_TAG, self.seed, self.round_index, min(i, j), max(i, j)), 1 if j > i else -1)
                     for i in survivors for j in dropped]
         revealed = self.reveal(survivors) if revealed is None else revealed
-        seeds = [((SELF_TAG, self._reconstruct(revealed, "self", i, "self-mask seed b")), 1) for i in survivors]
+        seeds: list[tuple[tuple[int, ...], int]] = [
+            ((SELF_TAG, self._reconstruct(revealed, "self", i, "self-mask seed b")), 1) for i in survivors]
         for j in dropped:
-            linked = [i for i in self.neighbours[j] if i in uploaded]
+            linked = [i for i in self.sparse_neighbours[j] if i in uploaded]
             if linked:  # j's masks sit only in its surviving neighbours' uploads
                 key = self._reconstruct(revealed, "key", j, "key sk")
                 seeds += [((SPARSE_PAIR_TAG, key * self.public_key(i) % shamir.PRIME), 1 if j > i else -1)
@@ -475,7 +485,7 @@ class SecureAggregator:
                                       what=f"client {client}'s {what}")
         except ValueError as error:
             raise RuntimeError(
-                f"round {self.round_index}: {error} (of its {len(self.neighbours[client])} neighbours): lower "
+                f"round {self.round_index}: {error} (of its {len(self.sparse_neighbours[client])} neighbours): lower "
                 "federation.secagg_threshold, raise federation.secagg_degree, or lower federation.dropout") from None
 
     def costs(self, uploaded: Collection[int]) -> dict[str, int]:

@@ -29,7 +29,7 @@ clients upload how many hold-out rows each gets right; the server keeps the best
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
 import torch
@@ -37,7 +37,7 @@ from torch import Tensor
 
 from workbench.federation.privacy import ridge_sensitivity, safe_ridge
 from workbench.linalg import class_sums, identity_like, solve_spd
-from workbench.methods.base import SUMMED, SYMMETRIC, ClientHalf, Cohort, FederatedMethod, Problem
+from workbench.methods.base import SUMMED, SYMMETRIC, ClientHalf, Cohort, FederatedMethod, Metrics, Problem, Uploads
 from workbench.methods.ridge_selection import (
     SELECTION_UPLOADS,
     checked_grid,
@@ -56,7 +56,8 @@ class AFLClient(ClientHalf):
         self.gamma_grid = getattr(method, "gamma_grid", [])
         self.holdout_fraction, self.holdout_seed = getattr(method, "holdout_fraction", 0.1), getattr(method, "seed", 0)
 
-    def client_update(self, round_index, broadcast, cohort: Cohort):
+    def client_update(self, round_index: int, broadcast: Mapping[str, Tensor],
+                      cohort: Cohort) -> tuple[Uploads, Metrics]:
         if "candidates" in broadcast:  # γ's scoring round: each candidate's hits on the hold-out rows
             held = self._holdout(cohort)
             x = self.design(cohort.features[held])
@@ -163,7 +164,7 @@ class AFL(FederatedMethod):
         """γ's scoring round carries one candidate W per γ of the grid: (Γ, d [+1], C)."""
         return {"candidates": self._candidates} if self.round == 1 and len(self.gamma_grid) > 1 else {}
 
-    def server_update(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, float]:
+    def server_update(self, uploads: Uploads, num_clients: float) -> Metrics:
         if self.round == 1 and len(self.gamma_grid) > 1:  # the hold-out scores: keep the best γ_out
             chosen, metrics = choose_gamma(self.gamma_grid, uploads, "afl")
             self.selected_gamma_out.fill_(chosen)

@@ -65,7 +65,7 @@ from torch import Tensor
 
 from workbench.linalg import grouped_matmul, grouped_ridge
 from workbench.methods.afl import AFL, AFLClient
-from workbench.methods.base import SUMMED, SYMMETRIC, Cohort, Problem
+from workbench.methods.base import SUMMED, SYMMETRIC, Cohort, Metrics, Problem, Uploads
 from workbench.methods.ridge_selection import client_holdout, holdout_seed  # noqa: F401 (holdout_seed: re-exported)
 
 DEFAULT_LAMBDAS = tuple(i / 10 for i in range(11))  # 0, 0.1, ..., 1.0
@@ -140,7 +140,8 @@ class AnaPFLClient(AFLClient):
         return torch.tanh(x @ self._projection(self.local_seed, 1, x.device))
 
     # ---- the rounds ----------------------------------------------------------------------------
-    def client_update(self, round_index, broadcast: Mapping[str, Tensor], cohort: Cohort):
+    def client_update(self, round_index: int, broadcast: Mapping[str, Tensor],
+                      cohort: Cohort) -> tuple[Uploads, Metrics]:
         self._receive_seed(broadcast)
         if "weight" in broadcast:
             self.global_weight.copy_(broadcast["weight"])
@@ -169,7 +170,7 @@ class AnaPFLClient(AFLClient):
         return {"holdout_accuracy": accuracy, "holdout_clients": (held > 0).sum().to(residual.dtype)}
 
     @torch.no_grad()
-    def finish(self, broadcast: Mapping[str, Tensor], cohort: Cohort) -> dict[str, float]:
+    def finish(self, broadcast: Mapping[str, Tensor], cohort: Cohort) -> Metrics:
         """W_l,k of every client of the cohort on all its rows, with the final W_g and λ."""
         self._receive_seed(broadcast)
         if "weight" in broadcast:
@@ -275,7 +276,7 @@ class AnaPFL(AFL):
         # that missed round 0)
         return {"weight": self.weight, **(seed if self.samples_cohorts else {})}
 
-    def server_update(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, float]:
+    def server_update(self, uploads: Uploads, num_clients: float) -> Metrics:
         if self.round == 0:
             super().server_update(uploads, num_clients)
             if len(self.lambdas) > 1:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
 import torch
 from lightning.pytorch.core.mixins import HyperparametersMixin
@@ -183,11 +184,14 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
     A method with `num_rounds = 0` (local-only training) only has the final step.
     """
 
-    uploads: Mapping[str, Upload] = {}
+    uploads: Mapping[str, Upload] = MappingProxyType({})
     #: clients predict with models of their own (`ClientHalf.predict`); `test/acc_local_*`
     personalized: bool = False
     #: the server holds a model of the whole population (`forward`, `test/acc`)
     global_model: bool = True
+
+    rounds_done: Tensor  # () int64
+    finished: Tensor  # () bool
 
     def __init__(self) -> None:
         super().__init__()
@@ -218,9 +222,10 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
         """What the clients need for round `self.round` (default nothing)."""
         return {}
 
-    def server_update(self, uploads: Uploads, num_clients: int) -> Metrics:
-        """Solve or step from the round's aggregated uploads (from `num_clients` clients);
-        returns metrics to log with the round."""
+    def server_update(self, uploads: Uploads, num_clients: float) -> Metrics:
+        """Solve or step from the round's aggregated uploads (from `num_clients` clients: the
+        expected cohort, not a count, under client-level DP with Poisson sampling); returns metrics
+        to log with the round."""
         raise NotImplementedError
 
     def final_broadcast(self) -> dict[str, Tensor]:

@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Mapping
 from types import MappingProxyType
 
 import numpy as np
@@ -90,7 +91,17 @@ import torch.nn.functional as nnf
 from torch import Tensor, nn
 
 from workbench.linalg import class_sums, identity_like, solve_spd
-from workbench.methods.base import SUMMED, SYMMETRIC, ClientHalf, Cohort, FederatedMethod, Problem, RoundPlan
+from workbench.methods.base import (
+    SUMMED,
+    SYMMETRIC,
+    ClientHalf,
+    Cohort,
+    FederatedMethod,
+    Metrics,
+    Problem,
+    RoundPlan,
+    Uploads,
+)
 
 ACTIVATIONS = {"gelu": nnf.gelu, "relu": torch.relu, "tanh": torch.tanh, "sigmoid": torch.sigmoid}
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -307,11 +318,12 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
             uploads.update(gram=gram, cross=cross)
         return uploads, {}
 
-    def finish(self, broadcast, cohort: Cohort):
+    def finish(self, broadcast: Mapping[str, Tensor], cohort: Cohort) -> Metrics:
         self._receive_omega(broadcast, self.num_layers)  # Ω_T (fused; any missed ones), kept as the others
         return {}
 
-    def client_update(self, round_index, broadcast, cohort: Cohort):
+    def client_update(self, round_index: int, broadcast: Mapping[str, Tensor],
+                      cohort: Cohort) -> tuple[Uploads, Metrics]:
         if self.schedule == "fused" and round_index > 0:
             return self._fused_update(round_index, broadcast, cohort)
         layer, solves_omega = round_plan(round_index)
@@ -546,7 +558,7 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         self._solve_classifier(layer, gram, cross)
         return {}
 
-    def server_update(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, float]:
+    def server_update(self, uploads: Uploads, num_clients: float) -> Metrics:
         # The clients' statistics arrive in `dtype`; the server works on them in SOLVE_DTYPE (a
         # no-op in float64) and casts Ω_t and W_t back to `dtype` to keep and broadcast them.
         uploads = {name: value.to(SOLVE_DTYPE) for name, value in uploads.items()}

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from workbench.linalg import class_sums, counts_of
-from workbench.methods.base import SUMMED, SYMMETRIC, ClientHalf, Cohort, FederatedMethod, Problem
+from workbench.methods.base import SUMMED, SYMMETRIC, ClientHalf, Cohort, FederatedMethod, Metrics, Problem, Uploads
 from workbench.methods.gaussian_heads import (
     FisherMixHead,
     GaussianMoments,
@@ -123,7 +123,8 @@ class GHOFLClient(ClientHalf):
         x = features.to(self.stat_dtype)
         return x @ self.sketch if self.sketch_dim is not None else x
 
-    def client_update(self, round_index, broadcast, cohort: Cohort):
+    def client_update(self, round_index: int, broadcast: Mapping[str, Tensor],
+                      cohort: Cohort) -> tuple[Uploads, Metrics]:
         if self.sketch_dim is not None and int(broadcast["sketch_seed"]) != self.sketch_seed:
             raise ValueError(f"the server's sketch_seed {int(broadcast['sketch_seed'])} differs from this "
                              f"client's {self.sketch_seed}: build the clients from the same GHOFL settings")
@@ -296,7 +297,7 @@ class GHOFL(FederatedMethod):
             return {"sketch_seed": torch.tensor(self.sketch_seed, dtype=torch.int64)}
         return {}
 
-    def server_update(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, float]:
+    def server_update(self, uploads: Uploads, num_clients: float) -> Metrics:
         seconds: dict[str, float] = {}
         start = time.perf_counter()
         moments = GaussianMoments.from_sums(

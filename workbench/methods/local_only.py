@@ -20,6 +20,7 @@ in which the clients fit their heads (`finish`, after the empty final broadcast)
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
 
 import torch
@@ -27,7 +28,7 @@ import torch.nn.functional as nnf
 from torch import Tensor
 
 from workbench.linalg import grouped_matmul, grouped_ridge
-from workbench.methods.base import ClientHalf, Cohort, FederatedMethod, Problem
+from workbench.methods.base import ClientHalf, Cohort, FederatedMethod, Metrics, Problem
 
 
 class LocalOnlyClient(ClientHalf):
@@ -43,7 +44,7 @@ class LocalOnlyClient(ClientHalf):
                                                   dtype=self.stat_dtype, device=self.served.device))
 
     @torch.no_grad()
-    def finish(self, broadcast, cohort: Cohort) -> dict[str, float]:
+    def finish(self, broadcast: Mapping[str, Tensor], cohort: Cohort) -> Metrics:
         """Every client of the cohort solves its W_k on its own rows."""
         x = cohort.features.flatten(1).to(self.stat_dtype)
         targets = nnf.one_hot(cohort.labels, self.num_classes).to(self.stat_dtype)

@@ -57,7 +57,7 @@ the last round every client receives W (`final_broadcast`).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
@@ -76,7 +76,17 @@ from workbench.linalg import (
     packed_symmetric_numel,
     solve_spd,
 )
-from workbench.methods.base import SUMMED, SYMMETRIC, ClientHalf, Cohort, FederatedMethod, Problem, Upload
+from workbench.methods.base import (
+    SUMMED,
+    SYMMETRIC,
+    ClientHalf,
+    Cohort,
+    FederatedMethod,
+    Metrics,
+    Problem,
+    Upload,
+    Uploads,
+)
 from workbench.methods.ridge_selection import (
     SELECTION_UPLOADS,
     checked_grid,
@@ -215,7 +225,8 @@ class SAFLeClient(SparseEmbedding, ClientHalf):
         self.row_ledger = method.row_ledger  # solver "cg": the in-process server's view of the rows
         self.register_embedding(problem.feature_dim, persistent=False)  # rebuilt from the settings
 
-    def client_update(self, round_index, broadcast, cohort: Cohort):
+    def client_update(self, round_index: int, broadcast: Mapping[str, Tensor],
+                      cohort: Cohort) -> tuple[Uploads, Metrics]:
         self.take_calibration(broadcast)  # the server's calibration, in this round's broadcast
         kind = self.round_kinds[round_index]
         if kind == "moments":
@@ -471,7 +482,7 @@ class SAFLe(SparseEmbedding, FederatedMethod):
             message["candidates"] = self._pending["candidates"]
         return message
 
-    def server_update(self, uploads: dict[str, Tensor], num_clients: int) -> dict[str, float]:
+    def server_update(self, uploads: Uploads, num_clients: float) -> Metrics:
         kind = self.round_kinds[self.round]
         if kind == "moments":
             count = uploads["count"]

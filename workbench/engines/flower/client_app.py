@@ -22,13 +22,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from typing import Any
 
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch import Tensor
 
-from workbench.engines.flower.spec import RunSpec, from_record, half_state, restore_half, to_record
+from workbench.engines.flower.spec import RunSpec, flag, from_record, half_state, number, restore_half, text, to_record
 from workbench.federation import codec
 from workbench.federation.client_step import client_step, wire_spec
 from workbench.federation.secure_aggregation import SecureAggregator
@@ -58,7 +59,7 @@ class ClientData:
                       torch.tensor([k]), torch.arange(n), self.batch_size)
 
 
-_datamodules: dict[tuple[str, str], object] = {}  # (data class, args) -> set-up data module, one per process
+_datamodules: dict[tuple[str, str], Any] = {}  # (data class, args) -> set-up data module, one per process
 
 
 def _rows(ids: Tensor, client: int) -> slice:
@@ -110,16 +111,16 @@ class Node:
 
 def node(message: Message, context: Context) -> Node:
     """Rebuild the method and this node's client half from the spec, with its kept state."""
-    spec = RunSpec.from_record(message.content["spec"])
+    spec = RunSpec.from_record(message.content.config_records["spec"])
     data = client_data(spec, int(context.node_config["partition-id"]), int(context.node_config["num-partitions"]))
     method = spec.build_method()
     method.setup(data.problem)
     half = method.client_half()
     half.setup_clients(torch.tensor([data.client]), len(data.labels))
-    session = str(message.content["round"]["session"])
+    session = text(message.content.config_records["round"], "session")
     kept = context.state.config_records.get(NODE_KEY)
     if kept is not None and str(kept["session"]) == session and STATE_KEY in context.state.array_records:
-        restore_half(half, from_record(context.state[STATE_KEY]))
+        restore_half(half, from_record(context.state.array_records[STATE_KEY]))
     return Node(spec, method, half, data, context, session)
 
 
@@ -131,7 +132,7 @@ def _report(**values: float) -> MetricRecord:
 @app.query()
 def introduce(message: Message, context: Context) -> Message:
     """Which client this node is, and how many training (and local test) rows it holds."""
-    spec = RunSpec.from_record(message.content["spec"])
+    spec = RunSpec.from_record(message.content.config_records["spec"])
     data = client_data(spec, int(context.node_config["partition-id"]), int(context.node_config["num-partitions"]))
     tests = 0 if data.local_test_labels is None else len(data.local_test_labels)
     report = _report(client_id=data.client, num_samples=len(data.labels), num_local_test=tests)
@@ -142,10 +143,10 @@ def introduce(message: Message, context: Context) -> Message:
 def train(message: Message, context: Context) -> Message:
     """One round of this client: the client step on the broadcast and its own data and state."""
     here = node(message, context)
-    settings = message.content["round"]
-    round_index, lost, secure = int(settings["round"]), bool(settings["lost"]), str(settings["secure"])
-    clip_norm = float(settings["clip_norm"]) if float(settings["clip_norm"]) >= 0 else None
-    broadcast = from_record(message.content["broadcast"])
+    settings = message.content.config_records["round"]
+    round_index, lost, secure = int(number(settings, "round")), flag(settings, "lost"), text(settings, "secure")
+    clip_norm = number(settings, "clip_norm") if number(settings, "clip_norm") >= 0 else None  # -1: no clipping
+    broadcast = from_record(message.content.array_records["broadcast"])
     start = time.perf_counter()
     sent = client_step(here.half, here.method.uploads, round_index, broadcast, here.data.cohort(), clip_norm)
     content = RecordDict()
@@ -167,7 +168,7 @@ def train(message: Message, context: Context) -> Message:
     seconds = time.perf_counter() - start
     here.save()
     if not lost:
-        content["metrics"] = MetricRecord(sent.metrics)
+        content["metrics"] = MetricRecord(dict(sent.metrics))
     content["report"] = _report(client_id=here.data.client, client_s=seconds, bytes_up=bytes_up)
     return Message(content, reply_to=message)
 
@@ -178,7 +179,8 @@ def finish(message: Message, context: Context) -> Message:
     here = node(message, context)
     worked = type(here.half).finish is not ClientHalf.finish
     start = time.perf_counter()
-    metrics = here.half.finish(from_record(message.content["broadcast"]), here.data.cohort()) if worked else {}
+    final = from_record(message.content.array_records["broadcast"])
+    metrics = here.half.finish(final, here.data.cohort()) if worked else {}
     seconds = time.perf_counter() - start
     here.save()
     content = RecordDict({"metrics": MetricRecord({name: float(value) for name, value in metrics.items()}),
@@ -193,7 +195,7 @@ def evaluate(message: Message, context: Context) -> Message:
     features, labels = here.data.local_test_features, here.data.local_test_labels
     correct = total = 0
     start = time.perf_counter()
-    if labels is not None and len(labels):
+    if features is not None and labels is not None and len(labels):
         size = here.data.batch_size
         with torch.no_grad():
             for lo in range(0, len(labels), size):

@@ -47,14 +47,14 @@ def fit_over_grid(grid: Grid, trainer: Trainer, engine: LightningEngine, datamod
     clients = FlowerClients(grid, engine.method, datamodule, node_wait_s)
     engine.remote_clients, engine.clients = clients, None  # the engine's clients for this run: the nodes
     log_traffic = LogTraffic(clients.traffic)
-    trainer.callbacks.append(log_traffic)
+    trainer.callbacks.append(log_traffic)  # type: ignore[attr-defined]  # Lightning sets it at run time
     run = FlowerRun(clients.traffic)
     try:
         trainer.fit(engine, datamodule=datamodule)
         if test and not trainer.interrupted:
             run.test_results = trainer.test(engine, datamodule=datamodule, verbose=False)
     finally:
-        trainer.callbacks.remove(log_traffic)
+        trainer.callbacks.remove(log_traffic)  # type: ignore[attr-defined]
         clients.close()
     return run
 
@@ -156,5 +156,5 @@ def fit_over_flower(method, datamodule, federation=None, trainer_kwargs: dict | 
     `engine.local_accuracy`, `engine.flower_run`). `options` go to `fit` (client_cpus, ...)."""
     engine = LightningEngine(method, federation)
     trainer = quiet_trainer(method.num_rounds, **(trainer_kwargs or {}))
-    engine.flower_run = fit(trainer, engine, datamodule, test=test, **options)
+    engine.flower_run = fit(trainer, engine, datamodule, test=test, **options)  # type: ignore[assignment]  # for the caller
     return engine

@@ -12,9 +12,10 @@ import dataclasses
 import json
 from collections import OrderedDict
 from collections.abc import Mapping
+from typing import cast
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from lightning import LightningDataModule
 from torch import Tensor, nn
 
@@ -56,14 +57,14 @@ class RunSpec:
 
     @classmethod
     def from_record(cls, record: ConfigRecord) -> RunSpec:
-        return cls(**{field.name: str(record[field.name]) for field in dataclasses.fields(cls)})
+        return cls(**{field.name: text(record, field.name) for field in dataclasses.fields(cls)})
 
     def build_method(self) -> FederatedMethod:
         # Only classes the package exports: a message never names arbitrary code to run.
         method_class = getattr(method_classes, self.method, None)
         if self.method not in method_classes.__all__ or not _is_method(method_class):
             raise ValueError(f"unknown method {self.method!r}; this install has {method_classes.__all__}")
-        return construct(method_class, json.loads(self.method_args))
+        return construct(cast(type, method_class), json.loads(self.method_args))
 
     def build_data(self) -> LightningDataModule:
         data_class = getattr(data_classes, self.data, None)
@@ -73,7 +74,37 @@ class RunSpec:
         return construct(data_class, json.loads(self.data_args))
 
 
-# ---- tensors in records ------------------------------------------------------------------------
+# ---- values and tensors in records ---------------------------------------------------------------
+def number(record: MetricRecord | ConfigRecord, key: str) -> float:
+    """A number kept in a record (a report's count, a round's index)."""
+    value = record[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"record entry {key!r} holds {type(value).__name__}, not a number")
+    return float(value)
+
+
+def numbers(record: MetricRecord) -> dict[str, float]:
+    """A metric record's numbers (sums over clients), by name."""
+    return {key: number(record, key) for key in record}
+
+
+def text(record: ConfigRecord, key: str) -> str:
+    """A string kept in a config record."""
+    value = record[key]
+    if not isinstance(value, str):
+        raise TypeError(f"record entry {key!r} holds {type(value).__name__}, not a string")
+    return value
+
+
+def flag(record: ConfigRecord, key: str) -> bool:
+    """A bool kept in a config record."""
+    value = record[key]
+    if not isinstance(value, bool):
+        raise TypeError(f"record entry {key!r} holds {type(value).__name__}, not a bool")
+    return value
+
+
+
 def to_record(tensors: Mapping[str, Tensor]) -> ArrayRecord:
     """Named tensors -> an ArrayRecord (CPU copies, in the given order)."""
     return ArrayRecord(OrderedDict((name, value.detach().cpu()) for name, value in tensors.items()))
@@ -99,8 +130,8 @@ def restore_half(half: nn.Module, state: Mapping[str, Tensor]) -> None:
     for name, value in state.items():
         owner_name, _, attribute = name.rpartition(".")
         owner = half.get_submodule(owner_name) if owner_name else half
-        if attribute in owner._parameters and owner._parameters[attribute] is not None:
-            parameter = owner._parameters[attribute]
+        parameter = owner._parameters.get(attribute)
+        if parameter is not None:
             if parameter.shape == value.shape:
                 parameter.copy_(value)
             else:

@@ -21,7 +21,7 @@ from flwr.serverapp import Grid
 from lightning import Callback
 from torch import Tensor
 
-from workbench.engines.flower.spec import RunSpec, from_record, to_record
+from workbench.engines.flower.spec import RunSpec, from_record, number, numbers, text, to_record
 from workbench.engines.round import Replies, RoundRequest, add_metrics
 from workbench.federation import codec
 from workbench.federation.secure_aggregation import ring_sum
@@ -94,7 +94,8 @@ class FlowerClients:
 
     def __init__(self, grid: Grid, method: FederatedMethod, datamodule, node_wait_s: float = NODE_WAIT_S) -> None:
         datamodule.setup("fit")
-        self.grid, self.method, self.datamodule = grid, method, datamodule
+        self.grid: Grid | None = grid
+        self.method, self.datamodule = method, datamodule
         self.spec = RunSpec.of(method, datamodule)
         self.session = uuid.uuid4().hex  # the nodes' kept state belongs to this fit
         self.traffic = FlowerTraffic()
@@ -109,26 +110,29 @@ class FlowerClients:
             content[name] = record
         return content
 
+    def _grid(self) -> Grid:
+        if self.grid is None:
+            raise RuntimeError("the Flower run has ended and the clients' state with it: test inside "
+                               "`workbench.engines.flower.simulation.fit` (it tests by default)")
+        return self.grid
+
     def _settings(self, **values) -> ConfigRecord:
         return ConfigRecord({"session": self.session, **values})
 
     def _exchange(self, clients: list[int], contents: list[RecordDict], message_type: str,
                   group: str) -> dict[int, RecordDict]:
         """Sends each client its content; the replies' contents by client id, all checked."""
-        if self.grid is None:
-            raise RuntimeError("the Flower run has ended and the clients' state with it: test inside "
-                               "`workbench.engines.flower.simulation.fit` (it tests by default)")
         messages = [Message(content, dst_node_id=self.nodes[client], message_type=message_type, group_id=group)
                     for client, content in zip(clients, contents, strict=True)]
         for content in contents:
             if "broadcast" in content.array_records:
-                self.traffic.bytes_down += content["broadcast"].count_bytes()
+                self.traffic.bytes_down += content.array_records["broadcast"].count_bytes()
         replies = {}
-        for reply in checked(self.grid.send_and_receive(messages), len(messages)):
+        for reply in checked(self._grid().send_and_receive(messages), len(messages)):
             content = reply.content
-            replies[int(content["report"]["client_id"])] = content
+            replies[int(number(content.metric_records["report"], "client_id"))] = content
             self.traffic.bytes_up += sum(record.count_bytes() for record in content.array_records.values())
-            self.traffic.client_compute_s += float(content["report"]["client_s"])
+            self.traffic.client_compute_s += number(content.metric_records["report"], "client_s")
         if sorted(replies) != sorted(clients):
             raise RuntimeError(f"{message_type} {group}: asked clients {sorted(clients)}, got replies from "
                                f"{sorted(replies)}")
@@ -139,12 +143,13 @@ class FlowerClients:
         the `samples[k]` training samples the server's copy of the data gives client k."""
         messages = [Message(self._content(), dst_node_id=node, message_type="query") for node in nodes]
         holders: dict[int, int] = {}
-        for reply in checked(self.grid.send_and_receive(messages), len(nodes)):
-            client, node = int(reply.content["report"]["client_id"]), reply.metadata.src_node_id
+        for reply in checked(self._grid().send_and_receive(messages), len(nodes)):
+            report = reply.content.metric_records["report"]
+            client, node = int(number(report, "client_id")), reply.metadata.src_node_id
             if client in holders:
                 raise ValueError(f"SuperNodes {holders[client]} and {node} both hold partition-id {client}: "
                                  "give each SuperNode its own")
-            held = int(reply.content["report"]["num_samples"])
+            held = int(number(report, "num_samples"))
             if held != int(samples[client]):
                 raise ValueError(f"SuperNode {node} holds {held} training samples of client {client} but the "
                                  f"server's data gives it {int(samples[client])}: the machines load different data")
@@ -170,16 +175,16 @@ class FlowerClients:
         symmetric = codec.symmetric_names(request.spec)
         for client in sorted(survivors):  # a fixed order: the combination does not depend on arrival
             reply = replies_by_client[client]
-            add_metrics(replies.metric_sums, {name: float(v) for name, v in reply["metrics"].items()})
-            replies.bytes_up += int(reply["report"]["bytes_up"])
+            add_metrics(replies.metric_sums, numbers(reply.metric_records["metrics"]))
+            replies.bytes_up += int(number(reply.metric_records["report"], "bytes_up"))
             if request.secure is None:
-                uploads = codec.unpack(from_record(reply["uploads"]), symmetric)
+                uploads = codec.unpack(from_record(reply.array_records["uploads"]), symmetric)
                 replies.uploads = codec.combine(replies.uploads if replies.uploads is not None else {}, uploads,
                                                 request.spec)
             else:
-                masked = from_record(reply["masked"])["masked"]
+                masked = from_record(reply.array_records["masked"])["masked"]
                 replies.masked = masked if replies.masked is None else ring_sum([replies.masked, masked])
-                replies.layout = replies.layout or _layout(json.loads(reply["layout"]["json"]))
+                replies.layout = replies.layout or _layout(json.loads(text(reply.config_records["layout"], "json")))
         if replies.uploads is not None:
             replies.uploads = {name: value.to(_device(self.method)) for name, value in replies.uploads.items()}
         replies.client_s = time.perf_counter() - start  # the server's wait: transport included
@@ -195,8 +200,8 @@ class FlowerClients:
         replies = self._exchange(clients, contents, "train.finish", "finish")
         metric_sums: dict[str, float] = {}
         for client in clients:
-            add_metrics(metric_sums, {name: float(v) for name, v in replies[client]["metrics"].items()})
-        worked = any(int(replies[client]["report"]["worked"]) for client in clients)
+            add_metrics(metric_sums, numbers(replies[client].metric_records["metrics"]))
+        worked = any(number(replies[client].metric_records["report"], "worked") for client in clients)
         return metric_sums, (time.perf_counter() - start) if worked else 0.0
 
     def local_accuracy(self) -> tuple[Tensor, Tensor]:
@@ -209,7 +214,8 @@ class FlowerClients:
         clients = sorted(self.nodes)
         contents = [self._content(round=self._settings()) for _ in clients]
         for client, reply in self._exchange(clients, contents, "evaluate", "local_test").items():
-            correct[client], total[client] = int(reply["report"]["correct"]), int(reply["report"]["total"])
+            report = reply.metric_records["report"]
+            correct[client], total[client] = int(number(report, "correct")), int(number(report, "total"))
         return correct, total
 
     def predict(self, features: Tensor, client_ids: Tensor) -> Tensor:
