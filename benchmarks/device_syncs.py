@@ -1,5 +1,5 @@
 """How often each method's rounds make the host wait for the device, on the recording stand-in
-device of tests/fake_device.py (no GPU needed): per round, on the conformance matrix's data and on
+device of tests/engines/fake_device.py (no GPU needed): per round, on the conformance matrix's data and on
 a larger run (twice the clients, four times the chunks of rows, four times the local steps).
 
 A round that waits a fixed number of times gives the same numbers on both; a read per client,
@@ -14,9 +14,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.conformance import METHODS, data
-from tests.fake_device import DEVICE, fake_device
-from tests.test_device import GRADIENT, fit
+from tests.engines.conformance import METHODS, data
+from tests.engines.fake_device import DEVICE, fake_device
+from tests.engines.test_device import GRADIENT, fit
 
 
 def main() -> list[str]:

@@ -130,7 +130,7 @@ def fit(method, dm: FederatedDataModule, device: str) -> tuple[float, float]:
 def syncs_per_round(build, dm: FederatedDataModule, device: str) -> str:
     """Calls that made the host wait for the GPU in one more fit (setup, rounds, the final broadcast,
     Lightning's own calls included), as torch's sync debug mode reports them, per round; "—" off
-    CUDA (tests/test_device.py counts them per round on a recording stand-in device)."""
+    CUDA (tests/engines/test_device.py counts them per round on a recording stand-in device)."""
     if torch.device(device).type != "cuda":
         return "—"
     method = build()

@@ -1,23 +1,36 @@
-"""Shared test fixtures: tiny synthetic problems, offline logging."""
+"""What the tests share: quiet fits, references, stand-in backbones, the tiers and their guards.
+
+Tiers (markers; `pyproject.toml` runs the fast one by default, `.ci/run` every one):
+`subprocess` starts interpreters (the command line as a process, several processes, sweeps),
+`ray` runs a Flower simulation on Ray, `browser` renders a page in Chromium, `slow` is a long check
+in process. Helpers a folder's tests share sit in that folder's `conftest.py`.
+"""
 from __future__ import annotations
 
+import csv
 import os
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 from lightning import Trainer
 
+from workbench.data import FederatedDataModule
 from workbench.engines import LightningEngine
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository
 
 os.environ["WANDB_MODE"] = "disabled"  # tests never talk to W&B
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
 def quiet_trainer(method, **settings) -> Trainer:
-    """A Lightning Trainer for a method's full fit, with no logs, bars or checkpoints."""
+    """A Lightning Trainer for a method's full fit, with no logs, bars or checkpoints (a round is
+    one step: with a logger, every round is logged)."""
     return Trainer(**{"max_epochs": max(method.num_rounds, 1), "logger": False, "enable_checkpointing": False,
                       "enable_progress_bar": False, "enable_model_summary": False, "num_sanity_val_steps": 0,
-                      **settings})
+                      "log_every_n_steps": 1, **settings})
 
 
 def fit(method, datamodule, federation=None):
@@ -72,3 +85,87 @@ def pytest_runtest_logreport(report):
 
 def pytest_collectreport(report):  # a module skipped as a whole (pytest.importorskip at its top)
     _note_skipped(report)
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    scale = torch.linalg.norm(b)
+    return float(torch.linalg.norm(a - b) / scale) if scale > 0 else float(torch.linalg.norm(a))
+
+
+class CountingNet(torch.nn.Module):
+    """A tiny stand-in backbone that counts its forward passes: (B, 3, S, S) -> (B, 8)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(3, 8)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.proj(x.mean(dim=(2, 3)))
+
+
+@dataclass(frozen=True)
+class FakeBackbone:
+    model: torch.nn.Module
+    name: str = "counting-net"
+    feature_dim: int = 8
+    input_size: int = 16
+    mean: tuple = (0.5, 0.5, 0.5)
+    std: tuple = (0.25, 0.25, 0.25)
+    weights_id: str = "random-init:seed=0"
+
+
+def centralized_ridge(dm: FederatedDataModule, gamma_out: float, bias: bool = False) -> torch.Tensor:
+    x = dm.train_features.double()
+    if bias:
+        x = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1)
+    y = torch.nn.functional.one_hot(dm.train_labels, dm.num_classes).double()
+    return torch.linalg.solve(x.T @ x + gamma_out * torch.eye(x.shape[1], dtype=x.dtype), x.T @ y)
+
+
+def last_run(run_dir: Path) -> Path:
+    return max(run_dir.glob("*/version_*"), key=lambda p: p.stat().st_mtime)
+
+
+def metrics(run: Path) -> dict[str, float]:
+    merged = {}
+    for row in csv.DictReader((run / "metrics.csv").open()):
+        merged.update({k: float(v) for k, v in row.items() if v})
+    return merged
+
+
+# ---- no test writes outside its temporary folder -----------------------------------------------
+#: where a test could leave files behind: the repository and the workbench's default caches
+WATCHED = (ROOT, Path("~/.cache/workbench").expanduser())
+#: what the tools themselves keep in the repository
+TOOL_FILES = {".git", ".venv", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", "workbench.egg-info"}
+
+
+def _files() -> set[Path]:
+    found = set()
+    for root in WATCHED:
+        for folder, subfolders, files in os.walk(root):
+            subfolders[:] = [name for name in subfolders if name not in TOOL_FILES]
+            found |= {Path(folder, name) for name in files}
+    return found
+
+
+def pytest_sessionstart(session) -> None:
+    session.config.stash[_BEFORE] = _files()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """The run fails when a test left a file in the repository or the default caches."""
+    before = session.config.stash.get(_BEFORE, None)
+    if before is None or hasattr(session.config, "workerinput"):
+        return
+    left = sorted(_files() - before)
+    if left:
+        shown = "\n  ".join(str(path) for path in left[:20])
+        print(f"\nthe tests wrote {len(left)} file(s) outside their temporary folders:\n  {shown}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_BEFORE = pytest.StashKey[set]()

@@ -6,14 +6,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.conftest import ROOT
 from workbench.cli import main
 from workbench.data.datamodule import SyntheticBlobs
 
-ROOT = Path(__file__).resolve().parents[1]
 DATA = ["--data=FederatedDataModule", "--data.dataset=synthetic", "--data.num_clients=4",
         "--data.partition=iid", "--data.synthetic.train_size=240", "--data.synthetic.test_size=60",
         "--data.synthetic.dim=8", "--data.synthetic.num_classes=3",
@@ -56,6 +55,7 @@ def test_non_finite_test_features_and_several_clients_are_named(monkeypatch, tmp
         main(["fit", *METHODS["AFL"], *DATA, f"--run_dir={tmp_path}"])
 
 
+@pytest.mark.subprocess
 def test_the_command_exits_non_zero_on_a_nan_feature(tmp_path):
     script = ("import sys; from tests.test_bad_input import poisoned; from workbench.data.datamodule import "
               "SyntheticBlobs; SyntheticBlobs.generate = poisoned('train', [5]); from workbench.__main__ import main; "
@@ -105,6 +105,7 @@ def test_a_checkpoint_of_another_method_or_settings_is_refused(tmp_path):
     assert float(tested.trainer.callback_metrics["test/acc"]) > 0.5
 
 
+@pytest.mark.subprocess
 def test_a_resumed_fit_under_another_protocol_is_refused(tmp_path):
     from workbench.experiment import SIGNAL_AFTER_ROUND_ENV
 

@@ -1,27 +1,13 @@
 """The command line end to end on tiny synthetic data."""
 from __future__ import annotations
 
-import csv
-from pathlib import Path
-
 import pytest
 import yaml
 
+from tests.conftest import ROOT, last_run, metrics
 from workbench.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--config", str(ROOT / "configs/synthetic_afl.yaml"), "--trainer.enable_progress_bar=false"]
-
-
-def last_run(run_dir: Path) -> Path:
-    return max(run_dir.glob("*/version_*"), key=lambda p: p.stat().st_mtime)
-
-
-def metrics(run: Path) -> dict[str, float]:
-    merged = {}
-    for row in csv.DictReader((run / "metrics.csv").open()):
-        merged.update({k: float(v) for k, v in row.items() if v})
-    return merged
 
 
 def test_fit_logs_accuracy_bytes_and_time_and_reruns_into_the_same_folder(tmp_path, capsys):
@@ -94,11 +80,11 @@ def test_unknown_method_is_a_clear_error(capsys):
     assert "NoSuchMethod" in capsys.readouterr().err
 
 
-def test_impossible_partition_is_a_clear_error():
+def test_impossible_partition_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="alpha must be > 0"):
-        main(["fit", *TINY, "--data.alpha=0"])
+        main(["fit", *TINY, "--data.alpha=0", f"--run_dir={tmp_path}"])
     with pytest.raises(ValueError, match=r"num_partitions|samples"):
-        main(["fit", *TINY, "--data.num_clients=5000", "--data.partition=iid"])
+        main(["fit", *TINY, "--data.num_clients=5000", "--data.partition=iid", f"--run_dir={tmp_path}"])
 
 
 def test_validate_without_a_validation_split_says_how_to_get_one(tmp_path):

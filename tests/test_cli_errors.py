@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import ROOT
 from workbench.__main__ import main
 from workbench.console import COMMANDS
 
-ROOT = Path(__file__).resolve().parents[1]
 SYNTHETIC = ["--config", str(ROOT / "configs/synthetic_afl.yaml"), "--trainer.enable_progress_bar=false"]
 IMAGES = ["--config", str(ROOT / "configs/demo.yaml"), "--trainer.enable_progress_bar=false"]
 
@@ -136,6 +136,7 @@ def test_predict_and_unknown_commands_are_refused_with_the_list(capsys):
     assert "unknown command 'predict'" in err and "compare" in err
 
 
+@pytest.mark.subprocess
 def test_help_starts_without_torch_or_lightning():
     """`--help` answers from `workbench.console` alone (the README gives its time)."""
     code = ("import sys, workbench.__main__ as m; m.main(['--help']); "

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import ROOT
 from workbench.sweep import construction_error, parse_config
 
-ROOT = Path(__file__).resolve().parents[1]
 WHOLE = sorted((ROOT / "configs").glob("*.yaml"))
 METHODS = sorted((ROOT / "configs/method").glob("*.yaml"))
 DATA = sorted((ROOT / "configs/data").glob("*.yaml"))

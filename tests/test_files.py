@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 
@@ -16,8 +15,10 @@ from workbench.files import (
 
 
 def dead_pid() -> int:
-    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    return int(done.stdout)
+    """The id of a process that has ended."""
+    done = subprocess.Popen(["true"])
+    done.wait()
+    return done.pid
 
 
 def test_a_write_replaces_the_file_with_the_umask_permissions(tmp_path):

@@ -1,12 +1,9 @@
 """benchmarks/gpu.py at smoke sizes on the CPU: every part runs and reports sane ratios."""
 import math
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 gpu = pytest.importorskip("benchmarks.gpu")  # (benchmarks/ is a folder of scripts, not installed)
 
 TINY = dict(gpu.SMOKE, images=4, batch=2, backbones=(("efficientnet_lite0", 32, True),))

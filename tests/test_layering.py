@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "workbench"
+from tests.conftest import ROOT
+
+PACKAGE = ROOT / "workbench"
 LOWER = ("workbench.methods", "workbench.federation", "workbench.data", "workbench.backbones",
          "workbench.linalg", "workbench.registry")
 UPPER = ("workbench.engines", "workbench.experiment", "workbench.cli")

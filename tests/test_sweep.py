@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.conftest import ROOT
 from workbench.__main__ import main
 from workbench.report import find_runs, last_value, read_metrics
 from workbench.sweep import (
@@ -20,7 +21,6 @@ from workbench.sweep import (
     with_overrides,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 SWEEPS = sorted((ROOT / "sweeps").glob("*.yaml"))
 SYNTHETIC = str(ROOT / "configs/synthetic_afl.yaml")
 COMMAND = ["${env}", "python", "-m", "workbench", "fit", "--config"]
@@ -142,6 +142,7 @@ def test_error_summary_keeps_the_reason_a_config_error_lists():
                                   " — data.alpha must be > 0 for a Dirichlet partition, got 0.0")
 
 
+@pytest.mark.subprocess
 def test_local_sweep_records_a_failure_goes_on_and_skips_complete_runs(tmp_path, capsys):
     """α = 0 is impossible for a Dirichlet partition, which the constructor says: that run is
     recorded as failed without being started. 2000 clients for 2000 samples fail only once the
@@ -222,6 +223,7 @@ def test_overrides_replace_the_config_and_fix_settings_before_the_swept_values(t
         with_overrides(sweep, None, ["data.alpha"])
 
 
+@pytest.mark.subprocess
 def test_a_failed_run_is_not_retried_unless_asked_and_runs_go_in_parallel(tmp_path, capsys):
     """Two workers; 2000 clients for 2000 samples fails once the data is partitioned, and a
     second pass does not start it again (it would fail alike) unless --retry_failed."""
@@ -243,13 +245,15 @@ def test_a_failed_run_is_not_retried_unless_asked_and_runs_go_in_parallel(tmp_pa
     assert "[1/1] num_clients=2000 ... FAILED (" in capsys.readouterr().out  # started again
 
 
+@pytest.mark.subprocess
 def test_the_demo_sweep_runs_end_to_end_and_is_compared_on_the_dashboard(tmp_path, monkeypatch, capsys):
-    """sweeps/demo_analytic.yaml on mnist5k (features cached after the first run): its first two
+    """sweeps/demo_analytic.yaml on mnist5k (features extracted into this test's folder): its first two
     runs (α = 0.1, partition seeds 0 and 1), side by side, W&B offline; then the page holds them
     as one row, mean ± std over the seeds."""
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("WANDB_MODE", "offline")
     run_dir = tmp_path / "runs"
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the runs' default feature cache: ~/.cache/workbench
     assert main(["sweep", "sweeps/demo_analytic.yaml", "--run_dir", str(run_dir), "--workers", "2",
                  "--count", "2"]) == 0
     assert "2 runs: 2 done" in capsys.readouterr().out

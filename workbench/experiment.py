@@ -207,7 +207,7 @@ class WorkbenchCLI(LightningCLI):
         if ckpt_path not in (None, "last", "best", "hpc", "registry") and not Path(ckpt_path).is_file():
             raise FileNotFoundError(f"no checkpoint at --ckpt_path={ckpt_path}: pass a run's model.ckpt or last.ckpt "
                                     "(runs/<run name>/version_N/), or `last` to resume this run name's newest fit")
-        self.config_init = self.parser.instantiate_classes(self.config)
+        self.config_init = self.parser.instantiate(self.config)
         self.datamodule = self._get(self.config_init, "data")
         self.method = self._get(self.config_init, "model")
         self.model = LightningEngine(self.method, self._get(self.config_init, "federation"))
@@ -308,11 +308,8 @@ class WorkbenchCLI(LightningCLI):
 
 #: Lightning's notices that say nothing about a federated run, each with why
 QUIET_WARNINGS = (
-    ".*configure_optimizers.* returned `None`",  # analytic methods have no optimizer, by design
     ".*does not have many workers",  # the loaders hold cached features in memory: workers would only copy them
     ".*no `val_dataloader`",  # validation is `validate`'s business (data.val_fraction), not fit's
-    ".*smaller than the logging interval",  # a round is one step; metrics are logged per round
-    ".*Total length of .* across ranks is zero",  # the rounds run in the epoch hooks: no training batches
     ".*isinstance\\(treespec, LeafSpec\\)` is deprecated",  # Lightning's own use of a torch API, not ours
     ".*LightningCLI's args parameter is intended",  # run(args) from Python: sys.argv is the caller's
 )
@@ -346,7 +343,7 @@ def run(args: list[str] | None = None) -> WorkbenchCLI:
             save_config_kwargs={"overwrite": True},
             seed_everything_default=0,  # set, so Lightning does not warn that it chose one
             trainer_defaults={"num_sanity_val_steps": 0, "enable_model_summary": False,
-                              "enable_checkpointing": False},
+                              "enable_checkpointing": False, "log_every_n_steps": 1},  # a round is one step
             args=args,
         )
     finally:

@@ -456,6 +456,11 @@ class FederatedDataModule(LightningDataModule):
         ordered by client), whole clients per process."""
         return DataLoader([{"round": torch.zeros((), dtype=torch.long)}], batch_size=None)
 
+    @property
+    def has_validation(self) -> bool:
+        """Whether part of the training pool is held out for validation (`val_fraction` > 0)."""
+        return self.args.val_fraction > 0
+
     def val_dataloader(self) -> DataLoader | list:
         if self.args.val_fraction == 0:
             return []  # no validation split: Lightning skips the loop

@@ -12,7 +12,7 @@ Flower Datasets partitioner itself (optional extra `hf`). `iid` assigns exactly 
 `IidPartitioner` after `Dataset.shuffle(seed=seed)`; `dirichlet` and `shard` draw from the same
 distributions as Flower's namesakes but use the random stream differently, so the same seed gives
 a different, equally distributed assignment; `pathological` deals classes to the least-held first
-where Flower's picks them at random (tests/test_partition.py). `stratified_holdout` splits a pool
+where Flower's picks them at random (tests/data/test_partition.py). `stratified_holdout` splits a pool
 (or each client's share) by class, seeded: validation, local test and hold-out rows.
 """
 from __future__ import annotations

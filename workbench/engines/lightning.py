@@ -118,6 +118,8 @@ class LightningEngine(LightningModule):
             raise RuntimeError("a federated method needs a FederatedDataModule (`data:` in the config)")
         if stage == "fit":
             self._check_processes()
+            if not getattr(data, "has_validation", True):  # no validation split: no validation loop to set up
+                self.trainer.limit_val_batches = 0
         problem = Problem(tuple(getattr(data, "input_shape", (data.feature_dim,))), data.num_classes,
                           data.num_clients)
         if self.method.setup(problem) or self.clients is None:

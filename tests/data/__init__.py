@@ -1,0 +1,1 @@
+"""Tests of the data: datasets, partitions, the feature cache, your own data, text."""

@@ -1,0 +1,191 @@
+"""The Flower engine: the same method over Flower gives the in-process model and bytes.
+
+The pure parts (codec, spec, a node's kept state, the ClientApp's handlers called directly) are
+fast; the tests marked `flower` start a Ray simulation (tens of seconds: Ray's start and the
+client processes' imports). All skip where the `flower` extra is not installed.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("flwr", reason="the Flower engine needs the `flower` extra: pip install -e '.[flower]'")
+pytest.importorskip("ray", reason="Flower simulations need Ray: pip install -e '.[flower]'")
+
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+
+from tests.engines.conftest import COMM, assert_same_state, fedavg, over_both, three_clients
+from workbench.engines.flower import client_app, server_app
+from workbench.engines.flower.spec import RunSpec, from_record, half_state, restore_half, to_record
+from workbench.federation import Federation, codec
+from workbench.federation.local_training import LocalTraining
+from workbench.federation.secure_aggregation import SecureAggregator
+from workbench.methods import AFL, FedAvg
+from workbench.methods.base import Problem
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ---- pure parts ----------------------------------------------------------------------------------
+def test_symmetric_uploads_travel_as_upper_triangles_through_a_record():
+    x = torch.randn(50, 6, dtype=torch.float64)
+    uploads = {"gram": x.T @ x, "cross": torch.randn(6, 3, dtype=torch.float64), "count": torch.tensor(3)}
+    packed = codec.pack(uploads, frozenset({"gram"}))
+    assert packed["gram"].shape == (21,)
+    record = to_record(packed)
+    assert record.count_bytes() > codec.upload_bytes(uploads, AFL.uploads | {"count": FedAvg.uploads["update"]})
+    restored = codec.unpack(from_record(record), frozenset({"gram"}))
+    for name, value in uploads.items():
+        assert torch.equal(restored[name], value), name
+
+
+def test_a_client_rebuilds_the_same_method_and_data_from_the_spec():
+    method, data = fedavg(local=LocalTraining(lr=0.1, batch_size=32)), three_clients()
+    spec = RunSpec.from_record(RunSpec.of(method, data).to_record())
+    rebuilt, rebuilt_data = spec.build_method(), spec.build_data()
+    assert type(rebuilt) is FedAvg and dict(rebuilt.hparams_initial) == dict(method.hparams_initial)
+    assert rebuilt_data.synthetic == data.synthetic  # a dataclass argument survives the JSON
+    share = client_app.client_data(spec, 1, 3)
+    data.setup("fit")
+    assert torch.equal(share.features, data.train_features[data.train_client_ids == 1])
+    with pytest.raises(ValueError, match=r"num-partitions = 4 .* num_clients = 3"):
+        client_app.client_data(spec, 1, 4)
+    with pytest.raises(ValueError, match="unknown method 'Trainer'"):
+        RunSpec("Trainer", "{}", spec.data, spec.data_args).build_method()
+
+
+def test_a_half_keeps_every_buffer_and_parameter_through_a_record():
+    method = fedavg()
+    method.setup(Problem((12,), 4, 3))
+    half = method.client_half()
+    half.setup_clients(torch.tensor([1]), 10)
+    for value in half_state(half).values():
+        value.add_(1) if value.is_floating_point() else None
+    fresh = method.client_half()
+    fresh.setup_clients(torch.tensor([1]), 10)
+    restore_half(fresh, from_record(to_record(half_state(half))))
+    for name, value in half_state(half).items():
+        assert torch.equal(half_state(fresh)[name], value), name
+
+
+@pytest.fixture
+def as_server(monkeypatch):
+    """Lets a test build instruction Messages outside a ServerApp (Flower reads the sender's ids)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 0)):
+        monkeypatch.setattr(TaskIdentity, name, value, raising=False)
+
+
+def fake_context(client: int, num_clients: int = 3) -> Context:
+    return Context(run_id=1, node_id=100 + client, node_config={"partition-id": client, "num-partitions": num_clients},
+                   state=RecordDict(), run_config={})
+
+
+def train_message(spec: RunSpec, round_index: int, broadcast: dict, secure: str = "", lost: bool = False) -> Message:
+    content = RecordDict({"spec": spec.to_record(), "broadcast": to_record(broadcast),
+                          "round": ConfigRecord({"session": "s", "round": round_index, "lost": lost, "secure": secure,
+                                                 "clip_norm": -1.0})})
+    return Message(content, dst_node_id=101, message_type="train")
+
+
+def test_the_client_app_replies_with_the_client_update_of_its_own_rows(as_server):
+    method, data = AFL(gamma=0.5), three_clients()
+    spec = RunSpec.of(method, data)
+    data.setup("fit")
+    method.setup(Problem((12,), data.num_classes, 3))
+    rows = data.train_client_ids == 1
+    expected, _ = method.client_half().client_update(0, {}, client_app.ClientData(
+        1, method.problem, data.train_features[rows], data.train_labels[rows], 128).cohort())
+
+    reply = client_app.train(train_message(spec, 0, {}), fake_context(1))
+    uploads = codec.unpack(from_record(reply.content["uploads"]), codec.symmetric_names(AFL.uploads))
+    assert uploads.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(uploads[name], value, rtol=0, atol=1e-10)
+    assert tuple(reply.content["uploads"]["gram"].shape) == (12 * 13 // 2,)  # the upper triangle travelled
+
+    # under secure aggregation the client masks its own upload
+    options = {"participants": [0, 1, 2], "seed": 5, "bits": 32, "symmetric": ["gram"]}
+    reply = client_app.train(train_message(spec, 0, {}, secure=json.dumps(options)), fake_context(1))
+    aggregator = SecureAggregator([0, 1, 2], seed=5, round_index=0, symmetric=["gram"])
+    assert torch.equal(from_record(reply.content["masked"])["masked"], aggregator.masked_upload(1, expected))
+    layout = json.loads(reply.content["layout"]["json"])
+    assert layout == {"names": ["gram", "cross"], "shapes": [[12, 12], [12, data.num_classes]],
+                      "dtypes": ["float64", "float64"]}
+    # a dropped client computes but sends nothing
+    reply = client_app.train(train_message(spec, 0, {}, lost=True), fake_context(1))
+    assert not reply.content.array_records
+
+
+def test_a_node_keeps_its_clients_state_between_messages(as_server):
+    method, data = fedavg(), three_clients()  # top-k with error feedback: each client keeps a residual
+    spec, context = RunSpec.of(method, data), fake_context(2)
+    data.setup("fit")
+    method.setup(Problem((12,), data.num_classes, 3))
+    for round_index in range(2):
+        client_app.train(train_message(spec, round_index, method.broadcast()), context)
+        method.rounds_done += 1
+    state = from_record(context.state[client_app.STATE_KEY])
+    residual = state["feedback.residuals.rows"]
+    assert state["feedback.residuals.ids"].tolist() == [0] and residual.abs().sum() > 0  # its one slot, non-zero
+
+    # the same two rounds in one in-process half give the same residual
+    half = method.client_half()
+    half.setup_clients(torch.tensor([2]), int((data.train_client_ids == 2).sum()))
+    method.rounds_done.zero_()
+    rows = data.train_client_ids == 2
+    cohort = client_app.ClientData(2, method.problem, data.train_features[rows], data.train_labels[rows], 128).cohort()
+    for round_index in range(2):
+        half.client_update(round_index, method.broadcast(), cohort)
+        method.rounds_done += 1
+    torch.testing.assert_close(residual, half.feedback.residual(torch.tensor([0])), rtol=0, atol=1e-6)
+
+
+def test_write_app_names_the_components(tmp_path):
+    text = server_app.write_app(tmp_path / "app").read_text()
+    assert 'serverapp = "workbench.engines.flower.server_app:app"' in text
+    assert 'clientapp = "workbench.engines.flower.client_app:app"' in text
+
+
+@pytest.mark.ray
+def test_afl_over_flower_equals_in_process(tmp_path):
+    engine, reference = over_both(lambda: AFL(gamma=1.0), {}, None, tmp_path)
+    assert_same_state(engine.method, reference.method, 1e-8)
+    for key in COMM:
+        assert engine.fit_metrics[key] == reference.fit_metrics[key], key
+    packed_gram_and_cross = 12 * 13 // 2 + 12 * engine.method.num_classes  # float64 numbers
+    assert engine.fit_metrics["comm/bytes_up"] == 3 * packed_gram_and_cross * 8
+    logged = engine.trainer.callback_metrics
+    assert float(logged["test/acc"]) == float(reference.trainer.callback_metrics["test/acc"])
+    arrays = 3 * 2  # clients × uploads: Flower carried the packed uploads plus a header per array
+    flower = engine.fit_metrics  # logged with the round's metrics
+    assert 0 < flower["flower/bytes_up"] - flower["comm/bytes_up"] <= arrays * 256
+    assert flower["flower/bytes_up"] == engine.flower_run.bytes_up and flower["flower/client_compute_s"] > 0
+    assert (tmp_path / "flower" / "ray").is_dir()
+
+
+@pytest.mark.ray
+def test_fedavg_with_client_state_dropouts_and_secure_aggregation_over_flower_equals_in_process(tmp_path):
+    federation = Federation(dropout=0.34, secure_aggregation=True, seed=3)  # one of the three drops each round
+    engine, reference = over_both(fedavg, {"personalized": True}, federation, tmp_path)
+    assert_same_state(engine.method, reference.method, 1e-6)
+    for key in (*COMM, "comm/clients_dropped"):
+        assert engine.fit_metrics[key] == reference.fit_metrics[key], key
+    run = engine.flower_run
+    down = engine.fit_metrics["comm/bytes_down"]
+    assert 0 < run.bytes_down - down <= (3 * 3 + 3) * 256  # the broadcasts (+ final) and their framing
+    assert float(engine.trainer.callback_metrics["test/acc_local_mean"]) == pytest.approx(
+        float(reference.trainer.callback_metrics["test/acc_local_mean"]))
+
+
+@pytest.mark.ray
+def test_personalized_clients_score_their_local_test_splits_on_their_nodes(tmp_path):
+    from workbench.methods import LocalOnly
+
+    engine, reference = over_both(LocalOnly, {"personalized": True}, None, tmp_path)
+    assert engine.local_accuracy == reference.local_accuracy  # each client's own head, kept on its node
+    assert float(engine.trainer.callback_metrics["test/acc_local_mean"]) == float(
+        reference.trainer.callback_metrics["test/acc_local_mean"])

@@ -1,0 +1,1 @@
+"""Tests of what crosses the wire: codec, protocol, privacy, secure aggregation."""

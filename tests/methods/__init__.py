@@ -1,0 +1,1 @@
+"""Tests of the methods, one file per method."""
