@@ -164,7 +164,7 @@ class LightningEngine(LightningModule):
             raise ValueError(f"federation.dp_sigma adds noise to summed statistics; {name} sends per-client "
                              f"uploads {stacked}: set federation.dp_sigma=0 for it")
         if protocol.client_level_dp and not self.method.clips_updates:
-            raise ValueError(f"federation.dp_clip clips clients' summed updates, which {name} does not send: "
+            raise ValueError(f"federation.dp_clip clips clients' model updates, which {name} does not send: "
                              "set federation.dp_clip=0 (analytic methods: dp_sigma with feature_clip)")
         if protocol.client_level_dp and protocol.dp_sigma > 0:
             raise ValueError("federation.dp_clip (client-level DP) and dp_sigma (noise on statistics) both noise "
