@@ -210,7 +210,8 @@ class WorkbenchCLI(LightningCLI):
         self.config_init = self.parser.instantiate(self.config)
         self.datamodule = self._get(self.config_init, "data")
         self.method = self._get(self.config_init, "model")
-        self.model = LightningEngine(self.method, self._get(self.config_init, "federation"))
+        self.model = LightningEngine(self.method, self._get(self.config_init, "federation"),
+                                     eval_every=self._get(self.config, "eval_every", default=1))
         self.trainer = self.instantiate_trainer()
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -222,6 +223,9 @@ class WorkbenchCLI(LightningCLI):
         parser.add_argument("--engine", default="lightning", choices=["lightning", "flower"],
                             help="who runs a fit's rounds: lightning (in this process) or flower (a Flower "
                                  "ServerApp and ClientApps, simulated locally on Ray; pip install -e '.[flower]')")
+        parser.add_argument("--eval_every", type=int, default=1,
+                            help="the learning curve: score the global model on the test split every N rounds "
+                                 "(and after the last), logged as round/test_acc with the bytes sent so far; 0: none")
         parser.add_argument("--checkpoint_every_round", type=bool, default=True,
                             help="replace the run folder's last.ckpt after every round (a fit stopped by "
                                  "SIGINT/SIGTERM writes it anyway); resume with `fit --ckpt_path last`")

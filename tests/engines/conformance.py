@@ -109,7 +109,7 @@ def ddp_main(out_dir: str) -> None:
         tested = trainer.test(engine, datamodule=dm, verbose=False)
         if trainer.is_global_zero:
             torch.save({"state": comparable_state(method), "metrics": dict(engine.fit_metrics),
-                        "tested": tested}, Path(out_dir) / f"{name}.pt")
+                        "tested": tested, "curve": engine.curve}, Path(out_dir) / f"{name}.pt")
     end_processes()
 
 

@@ -107,6 +107,16 @@ def assert_same_run(name, reference, other) -> None:
         assert engine_b.fit_metrics[key] == engine_a.fit_metrics[key], key
     for key, value in tested_a[0].items():
         assert tested_b[0][key] == pytest.approx(value, abs=1e-12), key
+    assert_same_curve(engine_a.curve, engine_b.curve)
+
+
+def assert_same_curve(reference: list[dict], other: list[dict]) -> None:
+    """The learning curve: the same rounds scored, the same accuracies, the same bytes so far."""
+    assert reference, "no learning curve"
+    assert [point.keys() for point in other] == [point.keys() for point in reference]
+    for mine, theirs in zip(reference, other, strict=True):
+        for key, value in mine.items():
+            assert theirs[key] == pytest.approx(value, abs=1e-12), (mine["round"], key)
 
 
 @pytest.mark.parametrize("name", list(METHODS))
@@ -140,6 +150,7 @@ def test_two_processes_give_every_methods_model(tmp_path):
             assert saved["metrics"][key] == engine.fit_metrics[key], (name, key)
         for key, value in tested[0].items():
             assert saved["tested"][0][key] == pytest.approx(value, abs=1e-12), (name, key)
+        assert_same_curve(engine.curve, saved["curve"])
 
 
 # ---- Flower -------------------------------------------------------------------------------------

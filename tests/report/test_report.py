@@ -163,9 +163,9 @@ def test_page_holds_every_run_with_its_logged_numbers_and_every_figure_exists(re
 def test_per_round_accuracy_is_paired_with_the_bytes_sent_by_that_round(run_dir):
     fedavg = next(run for run in find_runs([run_dir]) if run.name.startswith("e_fedavg"))
     metric, sent, accuracy = fedavg.round_points()
-    assert metric == "val/acc" and len(sent) == 3 and sent == sorted(sent)
+    assert metric == "round/test_acc" and len(sent) == 3 and sent == sorted(sent)
     assert sent[-1] == fedavg.final("comm/bytes_up_per_client") and sent[0] == pytest.approx(sent[-1] / 3)
-    assert accuracy[-1] == fedavg.final("val/acc")
+    assert accuracy[-1] == fedavg.final("round/test_acc") == fedavg.final("test/acc")
 
 
 def test_per_client_accuracies_get_their_figure_and_stale_figures_go(run_dir, tmp_path):

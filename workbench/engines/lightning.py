@@ -71,10 +71,15 @@ class LightningEngine(LightningModule):
         federation: the protocol (dropouts, secure aggregation, noise); default `method.federation`.
         clients: who runs the client halves; default the clients of this process
             (`LocalClients`); the Flower engine passes its SuperNodes.
+        eval_every: the learning curve: every `eval_every` rounds (and after the last) the global
+            model is scored on the test split (`round/test_acc`) and, where personal models exist
+            along the rounds, the clients' on their local test splits (`round/test_acc_local_mean`;
+            the other personalized methods score theirs once, after the final broadcast), beside
+            the bytes sent so far; 0: no curve. `curve` keeps the points.
     """
 
     def __init__(self, method: FederatedMethod, federation: Federation | None = None,
-                 clients: Transport | None = None) -> None:
+                 clients: Transport | None = None, eval_every: int = 1) -> None:
         super().__init__()
         if not isinstance(method, FederatedMethod):
             raise TypeError(f"the engine runs a workbench FederatedMethod, got {type(method).__name__}")
@@ -82,6 +87,11 @@ class LightningEngine(LightningModule):
         self.method = method
         if federation is not None:  # else the method's own (default: none of the protocol's parts)
             self.federation = federation
+        if not (isinstance(eval_every, int) and eval_every >= 0):
+            raise ValueError(f"eval_every must be an integer ≥ 0 (rounds between two points of the learning curve; "
+                             f"0: none), got {eval_every!r}")
+        self.eval_every = eval_every
+        self.curve: list[dict[str, float]] = []  # the learning curve's points, one per scored round
         self.remote_clients = clients
         self.clients: Transport | None = None
         self.fit_metrics: dict[str, float] = {}
@@ -196,6 +206,7 @@ class LightningEngine(LightningModule):
         self._restored_totals = None
         self.protocol = FitProtocol.start(self.method, self.federation, len(self.available),
                                           clip_norm=self._totals.pop("dp_clip_norm", None))
+        self.curve = []
 
     def training_step(self, batch, batch_idx: int) -> None:
         """One round per epoch: the clients' data comes from the data module's training rows, not
@@ -214,6 +225,9 @@ class LightningEngine(LightningModule):
             ddp.broadcast_module_state(self.method)
         self._add_round(result)
         self._set_totals()
+        method = self.method
+        if self.eval_every and (method.round % self.eval_every == 0 or not method.rounds_left):
+            self._score_round(personal=method.personal_every_round)
         self._log_steps()
 
     def _add_round(self, result: RoundResult) -> None:
@@ -243,6 +257,8 @@ class LightningEngine(LightningModule):
         if final.client_s > 0:
             self.fit_metrics["time/local_s"] = final.client_s
         self._set_totals()
+        if self.eval_every and self.method.personalized:  # the personal models as delivered
+            self._score_round(personal=True)
         self.fit_metrics["time/fit_s"] = time.perf_counter() - self._fit_start
 
     def _set_totals(self) -> None:
@@ -252,6 +268,7 @@ class LightningEngine(LightningModule):
             "comm/bytes_up": float(totals["bytes_up"]),
             "comm/bytes_up_per_client": float(totals["bytes_up"]) / method.num_clients,
             "comm/bytes_down": float(totals["bytes_down"]),
+            "comm/bytes_down_per_client": float(totals["bytes_down"]) / method.num_clients,
             "time/client_s": totals["client_s"],
             "time/server_s": totals["server_s"],
         })
@@ -261,6 +278,68 @@ class LightningEngine(LightningModule):
                 "comm/secagg_mask_streams_per_client": totals.get("secagg_mask_streams", 0) / method.num_clients,
                 "comm/secagg_share_bytes_per_client": totals.get("secagg_share_bytes", 0) / method.num_clients,
                 "comm/secagg_server_mask_streams": float(totals.get("secagg_server_mask_streams", 0))})
+
+    @torch.no_grad()
+    def _score_round(self, personal: bool) -> None:
+        """One point of the learning curve, after round `method.round` (added to that round's point
+        when it has one): the global model on the test split, the personal models (`personal`) on
+        the clients' local test splits, and the bytes up and down per client so far (logged with the
+        round's metrics)."""
+        method, data = self.method, self.data
+        point = {"round": float(method.round)}
+        if self.curve and self.curve[-1]["round"] == method.round:  # the final broadcast's, after the last round's
+            point = self.curve.pop()
+        test = getattr(data, "test_features", None)
+        if "round/test_acc" not in point and method.global_model and method.has_model and test is not None:
+            point["round/test_acc"] = method.accuracy(self._curve_inputs(test), data.test_labels.to(self.device))
+        if personal and getattr(data, "local_test_client_ids", None) is not None:
+            correct, total = self._local_scores()
+            tested = total > 0
+            if tested.any():
+                point["round/test_acc_local_mean"] = float((correct[tested].double() / total[tested]).mean())
+        if len(point) > 1:
+            point.update({key: self.fit_metrics[key] for key in ("comm/bytes_up_per_client",
+                                                                 "comm/bytes_down_per_client")})
+            self.curve.append(point)
+            self.fit_metrics.update({key: value for key, value in point.items() if key.startswith("round/")})
+
+    def _curve_inputs(self, features: Tensor) -> Tensor:
+        """Evaluation inputs outside Lightning's loops, as its loops pass them: on the device, in
+        the trainer's precision, clipped where the clients clip."""
+        return self._inputs(self.trainer.precision_plugin.convert_input(features.to(self.device)))
+
+    def _local_scores(self) -> tuple[Tensor, Tensor]:
+        """(correct (K,), total (K,)) int64: each client's own model on its local test split, scored
+        where the clients live (a transport that scores locally, e.g. Flower's) or here in chunks
+        (this process's clients; summed over the processes)."""
+        if isinstance(self.clients, ScoresLocally):
+            correct, total = self.clients.local_accuracy()
+            return correct.to(self.device), total.to(self.device)
+        data = self.data
+        correct = torch.zeros(self.method.num_clients, dtype=torch.long, device=self.device)
+        total = torch.zeros_like(correct)
+        rows = data.hparams.batch_size
+        parts = zip(data.local_test_features.split(rows), data.local_test_labels.split(rows),
+                    data.local_test_client_ids.split(rows), strict=True)
+        for features, labels, client_ids in parts:
+            self._add_local_scores(correct, total, self._curve_inputs(features), labels.to(self.device),
+                                   client_ids.to(self.device))
+        if self.trainer.world_size > 1:
+            correct = ddp.sum_across_processes(correct, self.trainer.strategy)
+            total = ddp.sum_across_processes(total, self.trainer.strategy)
+        return correct, total
+
+    def _add_local_scores(self, correct: Tensor, total: Tensor, features: Tensor, labels: Tensor,
+                          client_ids: Tensor) -> None:
+        """Adds each local test row's hit under its own client's model (the global one for a method
+        without personal models) to `correct`/`total` (K,): this process's clients only."""
+        clients = self.transport
+        if isinstance(clients, ddp.ProcessClients):  # each process scores the clients it serves
+            mine = torch.isin(client_ids, clients.served)
+            features, labels, client_ids = features[mine], labels[mine], client_ids[mine]
+        logits = clients.predict(features, client_ids) if self.method.personalized else self.method(features)
+        correct.index_add_(0, client_ids, logits.argmax(dim=1).eq(labels).long())
+        total.index_add_(0, client_ids, torch.ones_like(client_ids))
 
     @torch.no_grad()
     def _log_steps(self) -> None:
@@ -316,17 +395,9 @@ class LightningEngine(LightningModule):
                 self._evaluate(logits, batch["labels"], cast(MulticlassAccuracy, self.head_acc[head]),
                                f"test/acc/{head}")
             return
-        client_ids = batch["client_ids"]  # a client's local test split (personalized protocol)
-        if self._scored_remotely():
+        if self._scored_remotely():  # a client's local test split (personalized protocol): on its node
             return
-        features, labels, clients = inputs, batch["labels"], self.transport
-        if isinstance(clients, ddp.ProcessClients):  # each process scores the clients it serves; summed at the end
-            mine = torch.isin(client_ids, clients.served)
-            features, labels, client_ids = features[mine], labels[mine], client_ids[mine]
-        logits = clients.predict(features, client_ids) if method.personalized else method(features)
-        correct = logits.argmax(dim=1).eq(labels)
-        self._local_correct.index_add_(0, client_ids, correct.long())
-        self._local_total.index_add_(0, client_ids, torch.ones_like(client_ids))
+        self._add_local_scores(self._local_correct, self._local_total, inputs, batch["labels"], batch["client_ids"])
 
     def _scored_remotely(self) -> bool:
         """The clients score their own local test splits where they live (a transport with

@@ -49,6 +49,9 @@ __all__ = ["MODEL_UPDATE", "STACKED", "SUMMED", "SYMMETRIC", "ClientHalf", "Coho
            "RoundPlan", "Upload"]
 
 
+EVAL_ROWS = 1 << 14  # rows a global model scores at once (`FederatedMethod.accuracy`)
+
+
 @dataclass(frozen=True)
 class Problem:
     """The shape of a federated problem: one input's shape, classes, clients."""
@@ -187,6 +190,9 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
     uploads: Mapping[str, Upload] = MappingProxyType({})
     #: clients predict with models of their own (`ClientHalf.predict`); `test/acc_local_*`
     personalized: bool = False
+    #: the personal models exist after every round, not only after the final broadcast
+    #: (`ClientHalf.finish`): the learning curve scores them along the rounds (Ditto's)
+    personal_every_round: bool = False
     #: the server holds a model of the whole population (`forward`, `test/acc`)
     global_model: bool = True
 
@@ -257,6 +263,16 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
         """The global model's logits of evaluation data; `cache_key` names the data (e.g. a
         validation batch) for methods that advance a kept representation instead of recomputing."""
         return self(features)
+
+    @torch.no_grad()
+    def accuracy(self, features: Tensor, labels: Tensor, name: str = "test") -> float:
+        """The global model's accuracy on (n, *input_shape), (n,), in chunks of `EVAL_ROWS` rows
+        (chunk i of the data `name` is `logits`' cache_key (name, i): a method that keeps a
+        representation across rounds advances it instead of recomputing it)."""
+        correct = sum(int((self.logits(part, cache_key=(name, i)).argmax(dim=1) == part_labels).sum())
+                      for i, (part, part_labels) in enumerate(zip(features.split(EVAL_ROWS),
+                                                                  labels.split(EVAL_ROWS), strict=True)))
+        return correct / max(len(labels), 1)
 
     def before_restore(self, state: Mapping[str, Tensor]) -> None:
         """Reshape buffers whose shapes a fit finds (e.g. GH-OFL's Fisher subspace) to `state`'s."""

@@ -622,11 +622,10 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         depth = self.depth
         if depth == 0:
             self.depth_accuracy = []
-        phi = self._evaluation_features(("test",), test_features, depth)
-        predicted = (phi @ self.classifier[depth]).argmax(dim=1)
-        accuracy = float((predicted == test_labels).double().mean())
+        accuracy = self.accuracy(test_features, test_labels)  # the test split's Φ kept, one layer on
         self.depth_accuracy.append(accuracy)
-        if self.round >= self.num_rounds:
-            self._eval_phi.pop(("test",), None)  # the last depth: only needed while fitting
+        if self.round >= self.num_rounds:  # the last depth: the kept Φ was only needed while fitting
+            for key in [key for key in self._eval_phi if key[0] == "test"]:
+                del self._eval_phi[key]
         return [(depth, {"depth/test_acc": accuracy, "depth/depth": float(depth),
                          "depth/bytes_up": fit_metrics["comm/bytes_up"]})]

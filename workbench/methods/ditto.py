@@ -94,6 +94,7 @@ class Ditto(FedAvg):
     """
 
     personalized = True
+    personal_every_round = True  # v_k after every round: the learning curve scores them along the rounds
     client_class = DittoClient
 
     def __init__(self, lam: float = 0.1, personal_epochs: int | None = None,

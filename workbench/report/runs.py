@@ -29,7 +29,7 @@ FINISHED = ("test/", "val/")
 SEED_KEYS = {"seed", "seed_everything"}
 #: config keys that say where or how a run was written, not what it computed
 BOOKKEEPING = {"run_dir", "run_name", "wandb", "wandb_project", "ckpt_path", "config",
-               "checkpoint_every_round", "print_config", "trainer.enable_progress_bar",
+               "checkpoint_every_round", "eval_every", "print_config", "trainer.enable_progress_bar",
                "trainer.logger", "trainer.default_root_dir", "data.init_args.cache_dir",
                "data.init_args.data_dir", "data.init_args.device"}
 
