@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,11 +25,27 @@ TINY = ["--config", str(ROOT / "configs/synthetic_afl.yaml"), "--trainer.enable_
 TWO_PROCESSES = ["--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.accelerator=cpu"]
 
 
-def fit_in_processes(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    """`python -m workbench fit` launched as a command: Lightning starts the second process itself."""
+def fit_in_processes(run_dir: Path, *args: str, limit_s: float = 300) -> subprocess.CompletedProcess:
+    """`python -m workbench fit` launched as a command: Lightning starts the second process itself.
+    Both run in a session of their own: a fit that has not ended after `limit_s` (about 10 s
+    unloaded) fails the test with what it printed, and neither process outlives it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    return subprocess.run([sys.executable, "-m", "workbench", "fit", *TINY, *TWO_PROCESSES, f"--run_dir={run_dir}",
-                           "--run_name=ddp", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    command = [sys.executable, "-m", "workbench", "fit", *TINY, *TWO_PROCESSES, f"--run_dir={run_dir}",
+               "--run_name=ddp", *args]
+    with subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as launcher:
+        try:
+            stdout, stderr = launcher.communicate(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(launcher.pid, signal.SIGKILL)  # the launcher and the process it started
+            stdout, stderr = launcher.communicate()
+            raise AssertionError(f"the two-process fit had not ended after {limit_s:.0f} s:\n{stdout}\n{stderr}")
+        finally:
+            try:
+                os.killpg(launcher.pid, signal.SIGKILL)  # a second process left behind, once the launcher is done
+            except ProcessLookupError:
+                pass
+    return subprocess.CompletedProcess(command, launcher.returncode, stdout, stderr)
 
 
 def saved_model(run_dir: Path) -> dict[str, torch.Tensor]:
