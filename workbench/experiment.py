@@ -33,11 +33,13 @@ from pathlib import Path
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from workbench import runlog
 from workbench.catalog import method_classes
 from workbench.console import DEBUG_ENV, condense_parse_error
 from workbench.data import FederatedDataModule
 from workbench.engines import LightningEngine
 from workbench.engines.ddp import end_processes
+from workbench.engines.stopping import Stopping
 from workbench.federation import Federation
 from workbench.files import replaced_atomically
 from workbench.methods import FederatedMethod
@@ -211,7 +213,8 @@ class WorkbenchCLI(LightningCLI):
         self.datamodule = self._get(self.config_init, "data")
         self.method = self._get(self.config_init, "model")
         self.model = LightningEngine(self.method, self._get(self.config_init, "federation"),
-                                     eval_every=self._get(self.config, "eval_every", default=1))
+                                     eval_every=self._get(self.config, "eval_every", default=1),
+                                     stopping=self._get(self.config_init, "stopping"))
         self.trainer = self.instantiate_trainer()
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -226,6 +229,10 @@ class WorkbenchCLI(LightningCLI):
         parser.add_argument("--eval_every", type=int, default=1,
                             help="the learning curve: score the global model on the test split every N rounds "
                                  "(and after the last), logged as round/test_acc with the bytes sent so far; 0: none")
+        parser.add_argument("--stopping", type=Stopping, default=Stopping(),
+                            help="the stopping rule: patience (rounds without a gain of more than min_delta in "
+                                 "validation accuracy, then the fit stops; 0: every round), min_delta; needs "
+                                 "data.val_fraction, best with data.val_split=clients")
         parser.add_argument("--checkpoint_every_round", type=bool, default=True,
                             help="replace the run folder's last.ckpt after every round (a fit stopped by "
                                  "SIGINT/SIGTERM writes it anyway); resume with `fit --ckpt_path last`")
@@ -339,6 +346,7 @@ def run(args: list[str] | None = None) -> WorkbenchCLI:
     (`.method`, `.model` the engine, `.datamodule`, `.trainer`)."""
     quiet_libraries()
     WorkbenchParser.given = (list(sys.argv[1:] if args is None else args), Path.cwd())
+    runlog.claimed = None
     try:
         return WorkbenchCLI(
             LightningEngine, FederatedDataModule, parser_class=WorkbenchParser,
@@ -350,6 +358,9 @@ def run(args: list[str] | None = None) -> WorkbenchCLI:
                               "enable_checkpointing": False, "log_every_n_steps": 1},  # a round is one step
             args=args,
         )
+    except BaseException as error:
+        runlog.record_ending(error, WorkbenchParser.given[0])
+        raise
     finally:
         end_processes()  # with --trainer.strategy=ddp: before the interpreter's exit, not during it
 

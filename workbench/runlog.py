@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -86,9 +87,14 @@ def default_run_name(method, datamodule) -> str:
 VERSION_ENV = "WORKBENCH_RUN_VERSION"  # the version rank 0 claimed, for the other processes of a fit
 
 
+#: the version folder this process claimed (rank 0 of a fit), where `record_ending` writes
+claimed: Path | None = None
+
+
 def claim_version(root: Path) -> int:
     """Creates the next `root/version_N` exclusively and returns N: concurrent runs into one
     folder each get a folder of their own (the other processes of one fit share rank 0's)."""
+    global claimed
     rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) or 0)
     if rank > 0 and os.environ.get(VERSION_ENV):
         return int(os.environ[VERSION_ENV])
@@ -101,7 +107,37 @@ def claim_version(root: Path) -> int:
         except FileExistsError:  # another run took it first: look again
             continue
         os.environ[VERSION_ENV] = str(version)  # inherited by the processes a DDP fit starts
+        claimed = root / f"version_{version}"
         return version
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def record_ending(error: BaseException, argv: list[str]) -> None:
+    """A run that ends in an error, or stopped by a signal, says so in its version folder's
+    `status.json` (`compare` lists it with the error's last line, sweep or not); nothing is
+    written before a folder was claimed (the input was refused: nothing ran) or for a clean exit."""
+    if claimed is None or not claimed.is_dir():
+        return
+    if isinstance(error, SystemExit):
+        code = error.code if isinstance(error.code, int) else int(error.code is not None)
+        if code == 0:
+            return
+        stopped = code > 128  # 128 + the signal: a clean stop at a round's end
+        status = {"status": "stopped" if stopped else "failed", "returncode": code,
+                  "error": f"stopped by {_signal_name(code - 128)}; resume with fit --ckpt_path last" if stopped
+                           else f"exited with status {code}"}
+    elif isinstance(error, KeyboardInterrupt):
+        status = {"status": "stopped", "error": "interrupted (Ctrl-C); resume with fit --ckpt_path last"}
+    else:
+        lines = [line for line in str(error).splitlines() if line.strip()]
+        status = {"status": "failed", "error": f"{type(error).__name__}: {lines[-1] if lines else ''}".strip()}
+    write_text_atomically(claimed / "status.json", json.dumps({**status, "command": argv}, indent=2) + "\n")
 
 
 def make_loggers(method, datamodule, *, run_dir: str, run_name: str | None, wandb_mode: str,

@@ -32,11 +32,15 @@ def test_a_gradient_method_scores_every_round_and_its_last_point_is_the_test():
     curve = engine.curve
     assert [point["round"] for point in curve] == [1, 2, 3, 4]
     assert curve[-1]["round/test_acc"] == pytest.approx(float(trainer.callback_metrics["test/acc"]), abs=LOGGED)
-    uploads = [point["comm/bytes_up_per_client"] for point in curve]
+    # under the personalized protocol a global model is each client's model: scored on the local splits too
+    assert all("round/test_acc_local_mean" in point for point in curve)
+    assert curve[-1]["round/test_acc_local_mean"] == pytest.approx(
+        float(trainer.callback_metrics["test/acc_local_mean"]), abs=LOGGED)
+    uploads = [point["round/bytes_up_per_client"] for point in curve]
     assert uploads == sorted(uploads) and uploads[0] > 0  # cumulative
     # the model every client receives at the end comes after the last round's point
     final_model = 4 * (8 * 8 + 8 + 8 * 4 + 4)
-    assert curve[-1]["comm/bytes_down_per_client"] + final_model == engine.fit_metrics["comm/bytes_down_per_client"]
+    assert curve[-1]["round/bytes_down_per_client"] + final_model == engine.fit_metrics["comm/bytes_down_per_client"]
 
 
 def test_eval_every_scores_every_nth_round_and_the_last():
@@ -53,7 +57,7 @@ def test_a_one_round_method_is_one_point():
     (point,) = engine.curve
     assert point["round"] == 1 and point["round/test_acc"] == pytest.approx(
         float(trainer.callback_metrics["test/acc"]), abs=LOGGED)
-    assert point["comm/bytes_up_per_client"] == engine.fit_metrics["comm/bytes_up_per_client"]
+    assert point["round/bytes_up_per_client"] == engine.fit_metrics["comm/bytes_up_per_client"]
 
 
 def test_deepafl_scores_each_depth_from_the_test_splits_kept_features():
@@ -74,7 +78,7 @@ def test_personal_models_are_scored_along_the_rounds_where_they_exist():
         float(trainer.callback_metrics["test/acc_local_mean"]), abs=LOGGED)
     local, _ = fitted(LocalOnly())
     (point,) = local.curve
-    assert point["round"] == 0 and "round/test_acc" not in point and point["comm/bytes_up_per_client"] == 0
+    assert point["round"] == 0 and "round/test_acc" not in point and point["round/bytes_up_per_client"] == 0
 
 
 def test_the_command_line_logs_the_curve_to_the_csv(tmp_path):
@@ -82,7 +86,8 @@ def test_the_command_line_logs_the_curve_to_the_csv(tmp_path):
           "--data.dataset=synthetic", "--data.num_clients=4", "--trainer.enable_progress_bar=false",
           f"--run_dir={tmp_path}"])
     rows = read_metrics(last_run(tmp_path) / "metrics.csv")
-    curve = [(row["epoch"], row["round/test_acc"], row["comm/bytes_up_per_client"]) for row in rows
+    curve = [(row["round/round"], row["round/test_acc"], row["round/bytes_up_per_client"]) for row in rows
              if "round/test_acc" in row]
-    assert [epoch for epoch, _, _ in curve] == [0, 1, 2]  # one point a round, with the bytes so far
+    assert [round for round, _, _ in curve] == [1, 2, 3]  # one point a round, with the bytes so far
+    assert curve[1][2] == pytest.approx(2 * curve[0][2])  # FedAvg's uploads are equal every round
     assert curve[-1][1] == pytest.approx(metrics(last_run(tmp_path))["test/acc"], abs=LOGGED)

@@ -162,8 +162,14 @@ class FederatedDataModule(LightningDataModule):
             split (stratified by class, seeded) into its own train and local test data; test
             batches then also cover every client's local test split (`client_ids` set).
         local_test_fraction: the share of each client's data that becomes its local test split.
-        val_fraction: share of the training pool held out (stratified, before partitioning) as
-            a validation split for tuning; 0 = none, and `validate` then has nothing to run.
+        val_fraction: share of the training data held out as a validation split for tuning (a
+            learning rate, the stopping round: `--stopping`); 0 = none, and `validate` then has
+            nothing to run.
+        val_split: where the validation split comes from: `pool`, the training pool before
+            partitioning (stratified by class: data no client holds), or `clients`, each client's
+            own share after partitioning (stratified by class within the client, seeded), as a
+            federated validation would have it: every client keeps its hold-out and reports how
+            many of it the global model gets right (`val/acc` pools them).
         batch_size: samples per evaluation batch, and per chunk where a client computes its
             statistics in chunks to bound memory.
         synthetic: parameters of the `synthetic` dataset.
@@ -206,6 +212,7 @@ class FederatedDataModule(LightningDataModule):
         personalized: bool = False,
         local_test_fraction: float = 0.25,
         val_fraction: float = 0.0,
+        val_split: Literal["pool", "clients"] = "pool",
         batch_size: int = 4096,
         synthetic: SyntheticBlobs = SyntheticBlobs(),
         hf: OwnData = OwnData(),
@@ -228,6 +235,9 @@ class FederatedDataModule(LightningDataModule):
             raise ValueError(f"data.local_test_fraction must be in (0, 1), got {local_test_fraction}")
         if not 0 <= val_fraction < 1:
             raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
+        if val_split not in ("pool", "clients"):
+            raise ValueError(f"data.val_split must be pool (held out before partitioning) or clients (each "
+                             f"client's own hold-out), got {val_split!r}")
         if batch_size < 1 or extract_batch_size < 1:
             raise ValueError("batch_size and extract_batch_size must be ≥ 1")
         if precision not in ("float32", "bf16"):
@@ -314,7 +324,8 @@ class FederatedDataModule(LightningDataModule):
         else:
             x_train, y_train, x_test, y_test = self._backbone_features()
         natural_ids = self._natural_ids
-        if self.args.val_fraction > 0:
+        pooled = self.args.val_fraction > 0 and self.args.val_split == "pool"
+        if pooled:
             val_mask = stratified_holdout(y_train, self.args.val_fraction, self.args.seed)
             self.val_features, self.val_labels = x_train[val_mask], y_train[val_mask]
             x_train, y_train = x_train[~val_mask], y_train[~val_mask]
@@ -322,6 +333,12 @@ class FederatedDataModule(LightningDataModule):
         client_ids = self._partition(y_train, natural_ids)
         on_a_client = client_ids >= 0  # shard and pathological partitions may leave samples out
         x_train, y_train, client_ids = x_train[on_a_client], y_train[on_a_client], client_ids[on_a_client]
+        if self.args.val_fraction > 0 and not pooled:  # each client's own hold-out, before any local test split
+            val_mask = stratified_holdout(y_train, self.args.val_fraction, self.args.seed + 1, groups=client_ids)
+            order = torch.argsort(client_ids[val_mask], stable=True)
+            self.val_features, self.val_labels = x_train[val_mask][order], y_train[val_mask][order]
+            self.val_client_ids = client_ids[val_mask][order]
+            x_train, y_train, client_ids = x_train[~val_mask], y_train[~val_mask], client_ids[~val_mask]
         if self.args.personalized:
             local_test = stratified_holdout(y_train, self.args.local_test_fraction, self.args.seed,
                                             groups=client_ids)

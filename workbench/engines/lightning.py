@@ -47,6 +47,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from workbench.engines import ddp
 from workbench.engines.local import LocalClients
 from workbench.engines.round import FitProtocol, RoundResult, Transport, run_final, run_round
+from workbench.engines.stopping import Stopping
 from workbench.federation import Federation, codec
 from workbench.federation.privacy import clip_features
 from workbench.methods.base import FederatedMethod, Problem
@@ -72,14 +73,18 @@ class LightningEngine(LightningModule):
         clients: who runs the client halves; default the clients of this process
             (`LocalClients`); the Flower engine passes its SuperNodes.
         eval_every: the learning curve: every `eval_every` rounds (and after the last) the global
-            model is scored on the test split (`round/test_acc`) and, where personal models exist
-            along the rounds, the clients' on their local test splits (`round/test_acc_local_mean`;
+            model is scored on the test split (`round/test_acc`) and, under the personalized
+            protocol, each client's model on its local test split (`round/test_acc_local_mean`: the
+            global model for a global method; personal models where they exist along the rounds;
             the other personalized methods score theirs once, after the final broadcast), beside
-            the bytes sent so far; 0: no curve. `curve` keeps the points.
+            the bytes sent so far; 0: no curve. `curve` keeps the points. With a validation split
+            each point also holds `round/val_acc`.
+        stopping: the stopping rule (`workbench.engines.stopping`): a plateau of validation
+            accuracy ends the fit before `num_rounds`; default none.
     """
 
     def __init__(self, method: FederatedMethod, federation: Federation | None = None,
-                 clients: Transport | None = None, eval_every: int = 1) -> None:
+                 clients: Transport | None = None, eval_every: int = 1, stopping: Stopping | None = None) -> None:
         super().__init__()
         if not isinstance(method, FederatedMethod):
             raise TypeError(f"the engine runs a workbench FederatedMethod, got {type(method).__name__}")
@@ -91,6 +96,8 @@ class LightningEngine(LightningModule):
             raise ValueError(f"eval_every must be an integer ≥ 0 (rounds between two points of the learning curve; "
                              f"0: none), got {eval_every!r}")
         self.eval_every = eval_every
+        self.stopping = stopping or Stopping()
+        self._stop = False  # the stopping rule ended the fit after this round
         self.curve: list[dict[str, float]] = []  # the learning curve's points, one per scored round
         self.remote_clients = clients
         self.clients: Transport | None = None
@@ -207,6 +214,10 @@ class LightningEngine(LightningModule):
         self.protocol = FitProtocol.start(self.method, self.federation, len(self.available),
                                           clip_norm=self._totals.pop("dp_clip_norm", None))
         self.curve = []
+        self._stop = False
+        if self.stopping.active and getattr(self.data, "val_features", None) is None:
+            raise ValueError(f"stopping.patience={self.stopping.patience} watches validation accuracy, and there "
+                             "is no validation split: set data.val_fraction (e.g. 0.1) with data.val_split=clients")
 
     def training_step(self, batch, batch_idx: int) -> None:
         """One round per epoch: the clients' data comes from the data module's training rows, not
@@ -216,7 +227,7 @@ class LightningEngine(LightningModule):
         self.fit_metrics = {}
         if self.method.rounds_left:
             self._run_round()
-        if not self.method.rounds_left:
+        if not self.method.rounds_left or self._stop:
             self._finish()
 
     def _run_round(self) -> None:
@@ -226,8 +237,15 @@ class LightningEngine(LightningModule):
         self._add_round(result)
         self._set_totals()
         method = self.method
-        if self.eval_every and (method.round % self.eval_every == 0 or not method.rounds_left):
-            self._score_round(personal=method.personal_every_round)
+        due = bool(self.eval_every) and (method.round % self.eval_every == 0 or not method.rounds_left)
+        if due or self.stopping.active:
+            # a global method's personal model is its global one: scored on the local splits too
+            self._score_round(personal=method.personal_every_round or not method.personalized, test=due)
+        if self.stopping.active:  # the last round too: its accuracy may be the best
+            stops = self.stopping.stops(self._totals, method.round, self.curve[-1]["round/val_acc"])
+            self._stop = stops and method.rounds_left
+            self.fit_metrics.update({"stop/best_val_acc": self._totals["stop_best"],
+                                     "stop/best_round": float(self._totals["stop_best_round"])})
         self._log_steps()
 
     def _add_round(self, result: RoundResult) -> None:
@@ -280,28 +298,34 @@ class LightningEngine(LightningModule):
                 "comm/secagg_server_mask_streams": float(totals.get("secagg_server_mask_streams", 0))})
 
     @torch.no_grad()
-    def _score_round(self, personal: bool) -> None:
+    def _score_round(self, personal: bool, test: bool = True) -> None:
         """One point of the learning curve, after round `method.round` (added to that round's point
         when it has one): the global model on the test split, the personal models (`personal`) on
-        the clients' local test splits, and the bytes up and down per client so far (logged with the
-        round's metrics)."""
+        the clients' local test splits, and the bytes up and down per client sent by then, logged
+        with the round's metrics as `round/*` (`round/round` the round: a method without rounds
+        scores round 0)."""
         method, data = self.method, self.data
         point = {"round": float(method.round)}
         if self.curve and self.curve[-1]["round"] == method.round:  # the final broadcast's, after the last round's
             point = self.curve.pop()
-        test = getattr(data, "test_features", None)
-        if "round/test_acc" not in point and method.global_model and method.has_model and test is not None:
-            point["round/test_acc"] = method.accuracy(self._curve_inputs(test), data.test_labels.to(self.device))
-        if personal and getattr(data, "local_test_client_ids", None) is not None:
+        # (the validation split's chunks are cached apart from Lightning's validation batches)
+        for split, key, cache, wanted in (("test", "round/test_acc", "test", test),
+                                          ("val", "round/val_acc", "curve_val", True)):
+            features = getattr(data, f"{split}_features", None)
+            if wanted and key not in point and method.global_model and method.has_model and features is not None:
+                labels = getattr(data, f"{split}_labels").to(self.device)
+                point[key] = method.accuracy(self._curve_inputs(features), labels, name=cache)
+        if test and personal and getattr(data, "local_test_client_ids", None) is not None:
             correct, total = self._local_scores()
             tested = total > 0
             if tested.any():
                 point["round/test_acc_local_mean"] = float((correct[tested].double() / total[tested]).mean())
-        if len(point) > 1:
-            point.update({key: self.fit_metrics[key] for key in ("comm/bytes_up_per_client",
-                                                                 "comm/bytes_down_per_client")})
+        if len(point) > 1:  # its own bytes: the row's comm/* hold the totals when the row is logged
+            point.update({f"round/{key}": self.fit_metrics[f"comm/{key}"]
+                          for key in ("bytes_up_per_client", "bytes_down_per_client")})
             self.curve.append(point)
-            self.fit_metrics.update({key: value for key, value in point.items() if key.startswith("round/")})
+            self.fit_metrics.update({"round/round": point["round"],
+                                     **{key: value for key, value in point.items() if key.startswith("round/")}})
 
     def _curve_inputs(self, features: Tensor) -> Tensor:
         """Evaluation inputs outside Lightning's loops, as its loops pass them: on the device, in
@@ -312,7 +336,7 @@ class LightningEngine(LightningModule):
         """(correct (K,), total (K,)) int64: each client's own model on its local test split, scored
         where the clients live (a transport that scores locally, e.g. Flower's) or here in chunks
         (this process's clients; summed over the processes)."""
-        if isinstance(self.clients, ScoresLocally):
+        if isinstance(self.clients, ScoresLocally) and self._scored_remotely():
             correct, total = self.clients.local_accuracy()
             return correct.to(self.device), total.to(self.device)
         data = self.data

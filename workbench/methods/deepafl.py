@@ -625,7 +625,7 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         accuracy = self.accuracy(test_features, test_labels)  # the test split's Φ kept, one layer on
         self.depth_accuracy.append(accuracy)
         if self.round >= self.num_rounds:  # the last depth: the kept Φ was only needed while fitting
-            for key in [key for key in self._eval_phi if key[0] == "test"]:
+            for key in [key for key in self._eval_phi if key[0] != "val"]:  # the curve's test and validation
                 del self._eval_phi[key]
         return [(depth, {"depth/test_acc": accuracy, "depth/depth": float(depth),
                          "depth/bytes_up": fit_metrics["comm/bytes_up"]})]
