@@ -1,125 +1,189 @@
-"""The comparison dashboard on real run folders written by the CLI."""
+"""The comparison dashboard on real run folders written by the command line (`conftest.py`): what
+is read back, and the figures' data (groups, fronts, curves, lines over α) the page draws."""
 from __future__ import annotations
 
 import json
 import math
 import os
 import re
-import shutil
 import socket
 import subprocess
-from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.report.conftest import TINY
+from workbench import runlog
 from workbench.__main__ import main
 from workbench.report import find_runs, read_metrics
-from workbench.report.plots import pareto_front
+from workbench.report.dashboard import COMPARABLE, build, identity, pareto_front
 from workbench.report.runs import Run, last_value, mean_std
 
-TINY = ["--config", str(ROOT / "configs/synthetic_afl.yaml"), "--trainer.enable_progress_bar=false",
-        "--wandb=disabled"]
-CHROMIUM = Path("/usr/bin/chromium")
+FINISHED = ["a_alpha0.5_k20_hard", "b_alpha0.5_k10", "c_alpha0.1_k10", "d_alpha0.1_k10_seed1", "e_fedavg",
+            "f_fedavg_lr", "g_deepafl", "h_ghofl", "i_afl_personal", "j_anapfl", "k_ditto", "l_scaffold_cnn",
+            "m_flower"]
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
-    """Three synthetic AFL runs: two α at K = 10, and K = 20 on harder blobs (lower accuracy),
-    named to sort first by path so that sorting by accuracy has to move it; a repeat of one with
-    another data seed; FedAvg over three rounds with a validation hold-out (per-round accuracy);
-    and what a sweep leaves of runs that did not finish: one refused before it started, one
-    whose process died after claiming its version folder."""
-    root = tmp_path_factory.mktemp("runs")
-    for name, extra in (("b_alpha0.5_k10", ["--data.alpha=0.5"]),
-                        ("c_alpha0.1_k10", ["--data.alpha=0.1"]),
-                        ("d_alpha0.1_k10_seed1", ["--data.alpha=0.1", "--data.seed=1"]),
-                        ("e_fedavg", ["--model=FedAvg", "--model.num_rounds=3",
-                                      "--data.val_fraction=0.1"]),
-                        ("a_alpha0.5_k20_hard", ["--data.alpha=0.5", "--data.num_clients=20",
-                                                 "--data.synthetic.separation=1.5"])):
-        main(["fit", *TINY, *extra, f"--run_dir={root}", f"--run_name={name}"])
-    refused = root / "sweep" / "alpha=0"
-    refused.mkdir(parents=True)
-    (refused / "status.json").write_text(json.dumps({
-        "status": "failed", "params": {"data.alpha": 0.0},
-        "error": "cannot be built: ValueError: data.alpha must be > 0, got 0.0"}))
-    died = root / "sweep" / "k=2000"
-    (died / "version_0").mkdir(parents=True)
-    (died / "status.json").write_text(json.dumps({
-        "status": "failed", "params": {"data.num_clients": 2000},
-        "error": "Traceback (most recent call last):\nerror: 2000 clients for 2000 samples"}))
-    return root
+def runs(run_dir) -> dict[str, Run]:
+    return {run.name: run for run in find_runs([run_dir])}
 
 
 @pytest.fixture(scope="module")
-def report(run_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("report")
-    assert main(["compare", str(run_dir), "--out", str(out)]) == 0
-    return out
+def board(run_dir) -> dict:
+    return build(find_runs([run_dir]))
 
 
-class TableRows(HTMLParser):
-    """Headers and rows of the page's table: each row's data-run and its cells' attributes."""
-
-    def __init__(self, page: str) -> None:
-        super().__init__()
-        self.headers: list[str] = []
-        self.rows: list[tuple[str, list[dict]]] = []
-        self._in_header = False
-        self.feed(page)
-
-    def handle_starttag(self, tag, attrs):
-        attrs = dict(attrs)
-        if tag == "tr" and "data-run" in attrs:
-            self.rows.append((attrs["data-run"], []))
-        elif tag == "td" and self.rows:
-            self.rows[-1][1].append(attrs)
-        self._in_header = tag == "th"
-
-    def handle_data(self, data):
-        if self._in_header:
-            self.headers.append(data)
-            self._in_header = False
+def by_name(board: dict) -> dict[str, dict]:
+    return {record["name"].split("/")[0]: record for record in board["runs"]}
 
 
-def rows_of(page: str, metric: str = "test/acc") -> list[tuple[str, float]]:
-    """(run names, the metric's mean) of each table row, in the page's order."""
-    table = TableRows(page)
-    column = table.headers.index(metric)
-    return [(name, float(cells[column]["data-value"])) for name, cells in table.rows]
+def page_data(report: Path) -> dict:
+    page = (report / "index.html").read_text()
+    return json.loads(re.search(r'<script type="application/json" id="dashboard-data">(.*?)</script>',
+                                page, re.S).group(1).replace("<\\/", "</"))
 
 
-FINISHED = ["a_alpha0.5_k20_hard/version_0", "b_alpha0.5_k10/version_0", "c_alpha0.1_k10/version_0",
-            "d_alpha0.1_k10_seed1/version_0", "e_fedavg/version_0"]
+def test_every_run_is_found_once_with_how_it_ended(run_dir, runs):
+    version = run_dir / "c_alpha0.1_k10" / "version_0"
+    again = find_runs([run_dir, version, run_dir / "c_alpha0.1_k10"])
+    assert sorted(run.name for run in again) == sorted(runs)
+    assert sorted(name.split("/")[0] for name, run in runs.items() if run.status == "done") == FINISHED
+    ended = {name: (run.status, run.error) for name, run in runs.items() if run.status != "done"}
+    assert ended["b_alpha0.5_k10/version_1"] == ("re-evaluation", "")  # test --ckpt_path: not a run
+    assert ended["sweep/alpha=0"] == ("failed", "cannot be built: ValueError: data.alpha must be > 0, got 0.0")
+    assert ended["sweep/k=2000/version_0"] == ("failed", "error: 2000 clients for 2000 samples")  # the last line
+    status, error = ended["n_too_many/version_0"]  # not a sweep's: the command line's own status.json
+    assert status == "failed" and error.startswith("ValueError: min_partition_size=10 for each of 2000 partitions")
+    assert runs["b_alpha0.5_k10/version_1"].evaluated.resolve() == (run_dir / "b_alpha0.5_k10" / "version_0").resolve()
 
 
-def test_runs_are_found_once_whether_given_by_version_folder_or_any_parent(run_dir):
-    version = next(run_dir.glob("c_alpha0.1_k10/version_*"))
-    runs = find_runs([run_dir, version, run_dir / "c_alpha0.1_k10"])
-    assert sorted(run.name for run in runs if run.status == "done") == FINISHED
-    unfinished = {run.name: run for run in runs if run.status != "done"}
-    assert sorted(unfinished) == ["sweep/alpha=0", "sweep/k=2000/version_0"]
-    assert unfinished["sweep/alpha=0"].error.endswith("data.alpha must be > 0, got 0.0")
-    assert unfinished["sweep/k=2000/version_0"].error == "error: 2000 clients for 2000 samples"  # last line
-    low = next(run for run in runs if run.name.startswith("a_"))
-    assert (low.method, low.dataset, low.backbone, low.engine) == ("AFL", "synthetic", "none", "in process")
-    assert low.partition == "dirichlet" and low.protocol == "global"
-    assert (low.alpha, low.num_clients) == (0.5, 20)
-    assert low.value_of("data.synthetic.separation") == 1.5  # the CLI's short key form
-    assert low.value_of("model.init_args.gamma") == 1.0
-    assert low.final("comm/rounds") == 1
-    assert low.final("time/wall_s") > low.final("time/fit_s") > 0  # end to end includes the fit
-    assert low.final("test/acc") < 0.9 < min(r.final("test/acc") for r in runs
-                                             if r is not low and r.method == "AFL")
+def test_a_run_says_what_it_learned_from_and_how_its_data_was_split(runs):
+    hard, cnn = runs["a_alpha0.5_k20_hard/version_0"], runs["l_scaffold_cnn/version_0"]
+    assert identity(hard) == {"method": "AFL", "engine": "in process", "protocol": "global", "dataset": "synthetic",
+                              "inputs": "synthetic features", "partition": "dirichlet α=0.5", "K": 20}
+    assert (cnn.inputs, cnn.backbone, cnn.partition_label) == ("images → cnn", "none", "iid")  # no backbone ran
+    assert runs["m_flower/version_0"].engine == "flower"
+    assert runs["j_anapfl/version_0"].protocol == "personalized"
+    assert hard.value_of("data.synthetic.separation") == 1.5  # the CLI's short key form
+    assert hard.value_of("model.init_args.gamma") == 1.0
+    assert hard.final("time/wall_s") > hard.final("time/fit_s") > 0  # end to end includes the fit
 
 
-def test_repeats_over_seeds_are_one_setting_and_the_pareto_front_keeps_the_undominated():
+def test_groups_hold_only_comparable_runs_and_each_front_is_its_undominated_settings(board):
+    groups = {group["id"]: group for group in board["groups"]}
+    rows = {row["id"]: row for row in board["rows"]}
+    records = {record["id"]: record for record in board["runs"]}
+    assert sum(group["runs"] for group in groups.values()) == len(FINISHED) == board["counts"]["runs"]
+    for group in groups.values():
+        members = [records[run] for setting in group["settings"] for run in rows[setting]["runs"]]
+        for field in COMPARABLE:  # what one figure draws shares dataset, inputs, protocol, partition, K
+            assert {json.dumps(record["values"][field]) for record in members} == {json.dumps(group["fields"][field])}
+        for cost, front in group["fronts"].items():
+            points = {s: (rows[s]["cells"][cost][0], rows[s]["cells"][group["score"]][0]) for s in group["settings"]
+                      if rows[s]["cells"][cost][2] and rows[s]["cells"][group["score"]][2]}
+            undominated = {s for s, (x, y) in points.items() if not any(
+                (x2 <= x and y2 > y) or (x2 < x and y2 >= y) for x2, y2 in points.values())}
+            assert set(front) == undominated, (group["label"], cost)
+    labels = [group["label"] for group in groups.values()]
+    assert labels[0] == "synthetic · synthetic features · global · dirichlet α=0.5 · K=10"  # most runs first
+    assert "synthetic · synthetic features · personalized · dirichlet α=0.5 · K=10" in labels
+    assert "mnist5k · images → cnn · global · iid · K=4" in labels
+
+
+def test_a_personalized_run_is_ranked_by_its_clients_models_never_by_its_global_branch(board, runs):
+    personal = next(group for group in board["groups"] if group["fields"]["protocol"] == "personalized")
+    assert personal["score"] == "test/acc_local_mean"
+    records = by_name(board)
+    anapfl = records["j_anapfl"]
+    assert anapfl["score_metric"] == "test/acc_local_mean"
+    assert anapfl["score"] == pytest.approx(runs["j_anapfl/version_0"].final("test/acc_local_mean"))
+    assert anapfl["score"] != pytest.approx(runs["j_anapfl/version_0"].final("test/acc"))
+    for group in board["groups"]:  # no global front holds a personalized setting
+        if group["fields"]["protocol"] == "global":
+            rows = {row["id"]: row for row in board["rows"]}
+            assert all(rows[s]["protocol"] == "global" for front in group["fronts"].values() for s in front)
+
+
+def test_repeats_are_one_row_with_mean_std_and_n(board, runs):
     assert mean_std([0.8, 0.9, math.nan]) == (pytest.approx(0.85), pytest.approx(0.0707107), 2)
-    assert mean_std([]) == (pytest.approx(math.nan, nan_ok=True), pytest.approx(math.nan, nan_ok=True), 0)
-    points = [(10, 0.5), (10, 0.7), (20, 0.6), (30, 0.9), (5, 0.4), (40, 0.9)]
-    assert pareto_front(points) == [(5, 0.4), (10, 0.7), (30, 0.9)]
+    rows = {tuple(sorted(by_id["name"] for by_id in board["runs"] if by_id["id"] in row["runs"])): row
+            for row in board["rows"]}
+    repeat = rows[("c_alpha0.1_k10/version_0", "d_alpha0.1_k10_seed1/version_0")]
+    logged = [last_value(read_metrics(runs[name].path / "metrics.csv"), "test/acc")
+              for name in ("c_alpha0.1_k10/version_0", "d_alpha0.1_k10_seed1/version_0")]
+    mean, std, n = repeat["cells"]["test/acc"]
+    assert (mean, n) == (pytest.approx(sum(logged) / 2), 2) and std == pytest.approx(abs(logged[0] - logged[1]) / 2 ** 0.5)
+    assert len(board["rows"]) == len(FINISHED) - 1
+
+
+def test_the_table_shows_what_varies_and_keeps_the_rest_a_toggle_away(board):
+    shown = {column["key"] for column in board["columns"] if column["shown"]}
+    hidden = {column["key"] for column in board["columns"] if not column["shown"]}
+    # the group of comparable runs stands for the fields it is made of; the settings that vary are shown
+    assert {"method", "engine", "group", "model.local.lr", "data.synthetic.separation", "test/acc",
+            "test/acc_local_mean", "curve/best", "comm/rounds", "comm/bytes_up_per_client", "time/fit_s"} <= shown
+    assert {"dataset", "inputs", "protocol", "partition", "K", "test/acc/lda", "test/acc/nb_diag",
+            "comm/bytes_down_per_client"} <= hidden  # GH-OFL's heads: one run has them
+    assert "model.gamma" not in shown and board["constant"]["model.gamma"] == 1.0  # every run that has it: 1
+    assert "model.local.batch_size" not in {column["key"] for column in board["columns"]}  # the same everywhere
+    head = next(row for row in board["rows"] if "test/acc/lda" in row["cells"] and row["cells"]["test/acc/lda"][2])
+    assert head["cells"]["method"] == "GHOFL"
+
+
+def test_every_method_has_a_learning_curve_with_the_bytes_sent_by_each_point(board, runs):
+    records = by_name(board)
+    fedavg = records["e_fedavg"]["curve"]
+    assert fedavg["round"] == [1, 2, 3] and fedavg["up"] == sorted(fedavg["up"])
+    assert fedavg["up"][-1] == runs["e_fedavg/version_0"].final("comm/bytes_up_per_client")
+    assert fedavg["up"][0] == pytest.approx(fedavg["up"][-1] / 3)
+    assert fedavg["acc"][-1] == pytest.approx(runs["e_fedavg/version_0"].final("test/acc"), abs=1e-6)
+    afl = records["b_alpha0.5_k10"]["curve"]  # a one-round method: one point
+    assert afl["round"] == [1] and afl["acc"] == [pytest.approx(records["b_alpha0.5_k10"]["score"])]
+    ditto = records["k_ditto"]["curve"]  # personal models scored along the rounds
+    assert ditto["round"] == [1, 2] and ditto["acc"][-1] == pytest.approx(records["k_ditto"]["score"], abs=1e-6)
+    assert records["i_afl_personal"]["curve"]["round"] == [1]  # a global head is each client's model
+    depth = records["g_deepafl"]["depth"]
+    assert depth["depth"] == [0, 1, 2] and len(depth["acc"]) == 3
+    best, at = records["f_fedavg_lr"]["values"]["curve/best"], records["f_fedavg_lr"]["values"]["curve/best_round"]
+    curve = records["f_fedavg_lr"]["curve"]
+    assert best == max(curve["acc"]) and curve["acc"][curve["round"].index(at)] == best
+
+
+def test_the_invariance_lines_join_only_settings_run_at_two_or_more_alphas(board):
+    (line,) = board["alpha_lines"]  # AFL at α 0.1 (two seeds) and 0.5; every other setting at one α
+    assert line["label"] == "AFL" and [point["alpha"] for point in line["points"]] == [0.1, 0.5]
+    assert [point["n"] for point in line["points"]] == [2, 1]
+    global_k10 = [g["family"] for g in board["groups"] if g["fields"]["protocol"] == "global" and g["fields"]["K"] == 10
+                  and g["fields"]["dataset"] == "synthetic"]
+    assert len(set(global_k10)) == 1 and line["family"] == global_k10[0]  # drawn in both α's groups
+
+
+def test_a_reevaluation_is_listed_beside_its_fit_and_counted_once(board):
+    (again,) = board["reevaluations"]
+    assert (again["name"], again["of"], again["found"]) == ("b_alpha0.5_k10/version_1", "b_alpha0.5_k10/version_0", True)
+    assert again["value"] == pytest.approx(again["fit_value"])
+    assert "b_alpha0.5_k10/version_1" not in {record["name"] for record in board["runs"]}
+    assert board["counts"] == {"runs": 13, "settings": 12, "unfinished": 3, "reevaluations": 1}
+
+
+def test_the_page_is_one_self_contained_file_holding_the_dashboards_data(report, run_dir):
+    page = (report / "index.html").read_text()
+    data, bundle, script = re.findall(r"<script[^>]*>(.*?)</script>", page, re.S)  # the data, Plotly, ours
+    assert "plotly.js" in bundle[:400] and "Plotly.react" in script
+    ours = page.replace(bundle, "")  # the page the browser test watches for requests, Plotly's links too
+    assert not re.search(r'(src|href)=["\']?(https?:)?//', ours)  # nothing fetched from elsewhere
+    assert page_data(report) == json.loads(json.dumps(build(find_runs([run_dir])), allow_nan=False))
+    for name in ("sweep/alpha=0", "sweep/k=2000/version_0", "n_too_many/version_0"):
+        assert f'data-unfinished="{name}"' in page
+    assert "data.alpha must be &gt; 0, got 0.0" in page and 'data-reevaluation="b_alpha0.5_k10/version_1"' in page
+    assert (report / "index.html").stat().st_size < 6e6  # Plotly's bundle is most of it
+
+
+def test_pareto_front_keeps_the_undominated_cheapest_first():
+    points = [(10, 0.5, "a"), (10, 0.7, "b"), (20, 0.6, "c"), (30, 0.9, "d"), (5, 0.4, "e"), (40, 0.9, "f")]
+    assert pareto_front(points) == ["e", "b", "d"]
+    assert pareto_front([]) == []
 
 
 def test_no_runs_and_unknown_metric_or_group_are_clear_errors(tmp_path, run_dir, capsys):
@@ -133,92 +197,30 @@ def test_no_runs_and_unknown_metric_or_group_are_clear_errors(tmp_path, run_dir,
     assert not (tmp_path / "r").exists()
 
 
-def test_page_holds_every_run_with_its_logged_numbers_and_every_figure_exists(report, run_dir):
-    page = (report / "index.html").read_text()
-    runs = {run.name: run for run in find_runs([run_dir])}
-    rows = rows_of(page)
-    assert sorted(name for names, _ in rows for name in names.split()) == FINISHED
-    for names, accuracy in rows:  # the seed repeats are one row: their mean
-        logged = [last_value(read_metrics(runs[name].path / "metrics.csv"), "test/acc")
-                  for name in names.split()]
-        assert accuracy == pytest.approx(sum(logged) / len(logged))
-    repeat = next(names for names, _ in rows if len(names.split()) == 2)
-    assert repeat == "c_alpha0.1_k10/version_0 d_alpha0.1_k10_seed1/version_0"
-    assert re.search(r"± [0-9.]+ \(n=2\)", page)
-    for name in ("sweep/alpha=0", "sweep/k=2000/version_0"):  # unfinished runs, with their errors
-        assert f'data-unfinished="{name}"' in page
-    assert "data.alpha must be &gt; 0, got 0.0" in page
-    linked = re.findall(r'<a href="([^"]+\.png)">', page)
-    assert set(linked) == {"accuracy_vs_bytes.png", "accuracy_vs_time.png", "accuracy_vs_alpha.png",
-                           "round_accuracy_vs_bytes.png", "accuracy_curves.png"}
-    for png in linked:
-        assert (report / png).read_bytes().startswith(b"\x89PNG")
-    assert page.count("data:image/png;base64,") == len(linked)  # self-contained
-    assert not re.search(r'(src|href)="(https?:)?//', page)  # nothing fetched from elsewhere
-    assert "No run logged per-client accuracies" in page
-    headers = TableRows(page).headers
-    assert {"engine", "protocol", "fit time (s)", "wall time (s)", "n"} <= set(headers)
+def test_a_run_that_fails_or_is_stopped_says_so_in_its_folder(tmp_path, monkeypatch):
+    for error, status, text in ((SystemExit(128 + 15), "stopped", "stopped by SIGTERM; resume with fit --ckpt_path last"),
+                                (ValueError("bad\nlast line"), "failed", "ValueError: last line"),
+                                (KeyboardInterrupt(), "stopped", "interrupted")):
+        folder = tmp_path / status / text[:4]
+        folder.mkdir(parents=True)
+        monkeypatch.setattr(runlog, "claimed", folder)
+        runlog.record_ending(error, ["fit", "--config", "x.yaml"])
+        written = json.loads((folder / "status.json").read_text())
+        assert (written["status"], written["command"]) == (status, ["fit", "--config", "x.yaml"])
+        assert written["error"].startswith(text)
+        assert (Run.load(folder).status, Run.load(folder).error) == (status, written["error"])
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    monkeypatch.setattr(runlog, "claimed", clean)
+    runlog.record_ending(SystemExit(0), [])
+    monkeypatch.setattr(runlog, "claimed", None)  # refused before a folder was claimed: nothing ran
+    runlog.record_ending(ValueError("refused"), [])
+    assert not (clean / "status.json").exists()
 
 
-def test_per_round_accuracy_is_paired_with_the_bytes_sent_by_that_round(run_dir):
-    fedavg = next(run for run in find_runs([run_dir]) if run.name.startswith("e_fedavg"))
-    metric, sent, accuracy = fedavg.round_points()
-    assert metric == "round/test_acc" and len(sent) == 3 and sent == sorted(sent)
-    assert sent[-1] == fedavg.final("comm/bytes_up_per_client") and sent[0] == pytest.approx(sent[-1] / 3)
-    assert accuracy[-1] == fedavg.final("round/test_acc") == fedavg.final("test/acc")
-
-
-def test_per_client_accuracies_get_their_figure_and_stale_figures_go(run_dir, tmp_path):
-    run = next(run_dir.glob("b_alpha0.5_k10/version_*"))
-    (run / "per_client_acc.csv").write_text("client,acc,num_test\n0,0.9,20\n1,0.7,25\n2,1.0,10\n")
-    try:
-        out = tmp_path / "report"
-        main(["compare", str(run_dir), "--out", str(out), "--group_by", "K"])
-        assert Run.load(run).per_client_acc == [0.9, 0.7, 1.0]
-        assert (out / "per_client_accuracy.png").exists()
-        assert "grouped by <code>K</code>" in (out / "index.html").read_text()
-    finally:
-        (run / "per_client_acc.csv").unlink()
-    main(["compare", str(run_dir), "--out", str(out)])
-    assert not (out / "per_client_accuracy.png").exists()
-
-
-def test_depth_and_round_curves_are_read_from_the_per_step_rows(tmp_path):
-    run = tmp_path / "deep" / "version_0"
-    run.mkdir(parents=True)
-    (run / "metrics.csv").write_text(  # the layout CSVLogger writes: one row per logging call
-        "comm/rounds,depth/depth,depth/test_acc,epoch,step,test/acc\n"
-        "1.0,,,0,0,\n,0.0,0.80,,0,\n3.0,,,2,2,\n,1.0,0.85,,1,\n5.0,,,4,4,\n,2.0,0.87,,2,\n,,,5,5,0.87\n")
-    assert Run.load(run).curve() == ("depth/test_acc", "depth", [0.0, 1.0, 2.0], [0.80, 0.85, 0.87])
-    (run / "metrics.csv").write_text("epoch,step,val/acc\n0,0,0.5\n1,1,0.6\n2,2,0.7\n")
-    assert Run.load(run).curve() == ("val/acc", "round", [1.0, 2.0, 3.0], [0.5, 0.6, 0.7])
-    (run / "metrics.csv").write_text("epoch,step,val/acc,test/acc\n0,0,0.5,\n1,1,,0.6\n")
-    assert Run.load(run).curve() is None  # a single point is no curve
-
-
-@pytest.mark.browser
-@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (apt-get install)")
-def test_page_renders_in_headless_chromium_without_console_errors(report, tmp_path):
-    """The script sorts the table by accuracy (best first) and marks it data-ready; the page
-    logs nothing to the console when it works."""
-    result = subprocess.run(
-        [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-         "--no-first-run", "--disable-background-networking", "--disable-component-update",
-         "--disable-sync",
-         f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0",
-         "--dump-dom", (report / "index.html").as_uri()],
-        capture_output=True, text=True, timeout=120)
-    console = [line for line in result.stderr.splitlines() if ":CONSOLE" in line]
-    assert result.returncode == 0 and not console, console or result.stderr[-2000:]
-    dom = result.stdout
-    assert re.search(r'<table id="runs"[^>]*data-ready="1"', dom)
-    accuracies = [accuracy for _, accuracy in rows_of(dom)]
-    assert len(accuracies) == 4 and accuracies == sorted(accuracies, reverse=True)
-    assert sorted(name for names, _ in rows_of(dom) for name in names.split()) == FINISHED
-    assert dom.count("data-unfinished=") == 2
-    written = rows_of((report / "index.html").read_text())
-    assert [name for name, _ in rows_of(dom)] != [name for name, _ in written]  # the script sorted
-    shutil.rmtree(tmp_path / "profile", ignore_errors=True)
+def test_a_refused_input_leaves_no_run_folder(tmp_path):
+    assert main(["fit", *TINY, "--data.alpha=0", f"--run_dir={tmp_path}"]) == 2
+    assert not list(tmp_path.rglob("version_*"))
 
 
 def test_a_running_sweep_run_whose_runner_died_is_listed_as_stopped(tmp_path):
@@ -229,36 +231,20 @@ def test_a_running_sweep_run_whose_runner_died_is_listed_as_stopped(tmp_path):
         (folder / "version_0").mkdir(parents=True)
         (folder / "status.json").write_text(json.dumps({
             "status": "running", "runner": {"host": socket.gethostname(), "pid": pid}}))
-    runs = {run.name: run for run in find_runs([tmp_path])}
-    assert runs["alive/version_0"].status == "running"
-    assert runs["gone/version_0"].status == "stopped"
-    assert "runner ended" in runs["gone/version_0"].error
+    found = {run.name: run for run in find_runs([tmp_path])}
+    assert found["alive/version_0"].status == "running"
+    assert found["gone/version_0"].status == "stopped"
+    assert "runner ended" in found["gone/version_0"].error
 
 
-def test_engine_personalized_score_and_each_head_get_columns_of_their_own(tmp_path):
-    """Hand-written run folders: a GH-OFL run over Flower with two heads, and a personalized
-    AnaPFL run whose test/acc (its global branch) is not what it is ranked by here."""
-    for name, method, extra, personalized, metrics in (
-            ("ghofl", "GHOFL", "engine: flower\n", False,
-             "epoch,step,test/acc,test/acc/lda,test/acc/qda\n0,0,0.91,0.91,0.95\n"),
-            ("anapfl", "AnaPFL", "", True,
-             "epoch,step,test/acc,test/acc_local_mean\n0,0,0.80,0.97\n")):
-        run = tmp_path / name / "version_0"
-        run.mkdir(parents=True)
-        (run / "config.yaml").write_text(
-            f"{extra}model:\n  class_path: workbench.methods.{method}\n"
-            f"data:\n  init_args:\n    dataset: mnist5k\n    personalized: {str(personalized).lower()}\n")
-        (run / "metrics.csv").write_text(metrics)
-    out = tmp_path / "report"
-    assert main(["compare", str(tmp_path), "--out", str(out), "--metric", "test/acc_local_mean"]) == 0
-    table = TableRows((out / "index.html").read_text())
-    assert {"test/acc_local_mean", "test/acc", "test/acc/lda", "test/acc/qda"} <= set(table.headers)
-    qda = table.headers.index("test/acc/qda")
-    cells = {name: cells[qda].get("data-value") for name, cells in table.rows}
-    assert cells == {"ghofl/version_0": "0.95", "anapfl/version_0": ""}  # no head, no number
-    page = (out / "index.html").read_text()
-    assert re.search(r'data-value="0\.8">0\.8000 †</td>', page)  # AnaPFL's global branch, marked
-    assert re.search(r'data-value="0\.91">0\.9100</td>', page)  # GH-OFL's, a global model
-    runs = {run.method: run for run in find_runs([tmp_path])}
-    assert (runs["GHOFL"].engine, runs["GHOFL"].protocol) == ("flower", "global")
-    assert (runs["AnaPFL"].engine, runs["AnaPFL"].protocol) == ("in process", "personalized")
+def test_per_client_accuracies_and_depth_rows_are_read_back(tmp_path):
+    run = tmp_path / "deep" / "version_0"
+    run.mkdir(parents=True)
+    (run / "metrics.csv").write_text(  # the layout CSVLogger writes: one row per logging call
+        "comm/rounds,depth/depth,depth/test_acc,epoch,step,test/acc\n"
+        "1.0,,,0,0,\n,0.0,0.80,,0,\n3.0,,,2,2,\n,1.0,0.85,,1,\n5.0,,,4,4,\n,2.0,0.87,,2,\n,,,5,5,0.87\n")
+    (run / "per_client_acc.csv").write_text("client,acc,num_test\n0,0.9,20\n1,0.7,25\n2,1.0,10\n")
+    loaded = Run.load(run)
+    assert loaded.depth_curve() == {"depth": [0.0, 1.0, 2.0], "acc": [0.80, 0.85, 0.87]}
+    assert loaded.per_client_acc == [0.9, 0.7, 1.0]
+    assert loaded.curve("round/test_acc") is None

@@ -1,5 +1,7 @@
 """Runs read back from their folders: `metrics.csv`, `config.yaml`, `per_client_acc.csv`, and
-the sweep runner's `status.json` (failed, running or stopped runs, with their errors).
+a `status.json` (failed, running or stopped runs, with their errors): the sweep runner's, beside a
+sweep run's version folders, or the command line's own, inside the version folder of a run that
+ended in an error.
 
 A run folder is what `fit` writes, `<run_dir>/<run_name>/version_N/`. Only local files are read
 (never the W&B server), and nothing here imports torch or Lightning, so reading is quick.
@@ -13,6 +15,7 @@ import os
 import re
 import socket
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,7 @@ from workbench.files import _alive
 
 VERSION = re.compile(r"version_\d+")  # the folders `fit` claims, one per run
 #: fields of a run that --group_by takes besides config keys
-FIELDS = ("method", "engine", "protocol", "dataset", "backbone", "partition", "alpha", "K")
+FIELDS = ("method", "engine", "protocol", "dataset", "inputs", "backbone", "partition", "alpha", "K")
 #: a metric under this prefix is logged last by a finished fit (its test), or by `validate`
 FINISHED = ("test/", "val/")
 #: config leaves that only choose a random stream: runs differing in them alone are repeats
@@ -32,6 +35,13 @@ BOOKKEEPING = {"run_dir", "run_name", "wandb", "wandb_project", "ckpt_path", "co
                "checkpoint_every_round", "eval_every", "print_config", "trainer.enable_progress_bar",
                "trainer.logger", "trainer.default_root_dir", "data.init_args.cache_dir",
                "data.init_args.data_dir", "data.init_args.device"}
+
+
+#: how a partition's skew is named: scheme -> (its parameter, how the label writes it)
+SKEW = {"dirichlet": ("alpha", "α={}"), "shard": ("num_shards_per_partition", "{} shards/client"),
+        "pathological": ("num_classes_per_partition", "{} classes/client")}
+#: what is read fast: the C loader when PyYAML was built with libyaml
+YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
@@ -47,6 +57,17 @@ def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
 def short_key(key: str) -> str:
     """The CLI's short form of a config key: `model.init_args.gamma` -> `model.gamma`."""
     return key.replace(".init_args.", ".")
+
+
+def label_value(value: Any) -> str:
+    """A value as a label: 10.0 -> '10', None -> '—', [a, b] -> 'a+b'."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, (list, tuple)):
+        return "+".join(map(str, value))
+    return str(value)
 
 
 def _last_line(text: str) -> str:
@@ -70,10 +91,6 @@ def _sweep_status(run_folder: Path) -> dict[str, Any]:
         return json.loads(path.read_text()) if path.exists() else {}
     except ValueError:  # being rewritten: no status is better than a crash
         return {}
-
-
-# Per-step accuracy curves, most specific first: (metric, what its x axis counts).
-CURVES = (("depth/test_acc", "depth"), ("round/test_acc", "round"), ("val/acc", "round"))
 
 
 def read_metrics(path: Path) -> list[dict[str, float]]:
@@ -107,7 +124,9 @@ class Run:
     config: dict[str, Any] = field(default_factory=dict)
     rows: list[dict[str, float]] = field(default_factory=list)
     per_client_acc: list[float] | None = None
-    status: str = "done"  # done, failed, running, or incomplete (no test logged, no status.json)
+    # done, failed, running, stopped, superseded (an earlier attempt of a sweep run), re-evaluation
+    # (`test --ckpt_path` of a fitted model: no round ran), or incomplete (no test, no status.json)
+    status: str = "done"
     error: str = ""  # the last line of a failed run's error
     sweep_seconds: float = math.nan  # the sweep runner's end-to-end seconds of the run's process
     wandb_id: str = ""
@@ -118,7 +137,7 @@ class Run:
         """A version folder; its status from its metrics and the sweep runner's status.json."""
         path = Path(path)
         config_file, per_client_file = path / "config.yaml", path / "per_client_acc.csv"
-        config = yaml.safe_load(config_file.read_text()) if config_file.exists() else {}
+        config = yaml.load(config_file.read_text(), Loader=YAML_LOADER) if config_file.exists() else {}
         per_client = None
         if per_client_file.exists():
             with per_client_file.open(newline="") as f:
@@ -128,12 +147,16 @@ class Run:
         link = path / "wandb.json"
         if link.exists():
             run.wandb_id = str(json.loads(link.read_text()).get("id", ""))
-        sweep = _sweep_status(path.parent)
+        own, sweep = _sweep_status(path), _sweep_status(path.parent)
         if any(key.startswith(FINISHED) for row in run.rows for key in row):
             if sweep.get("version") and Path(sweep["version"]).resolve() == path.resolve():
                 run.sweep_seconds = float(sweep.get("seconds", math.nan))
+            if run.evaluated is not None:
+                run.status = "re-evaluation"
             return run
-        if sweep.get("status") == "done":  # the sweep re-ran it: this is an earlier attempt
+        if own.get("status") in ("failed", "stopped"):  # the command line's record of how it ended
+            run.status, run.error = own["status"], _last_line(own.get("error", ""))
+        elif sweep.get("status") == "done":  # the sweep re-ran it: this is an earlier attempt
             run.status = "superseded"
             run.error = f"an earlier attempt; the sweep's {Path(sweep.get('version', '?')).name} finished"
         elif sweep.get("status") == "running" and not _runner_alive(sweep):
@@ -164,6 +187,15 @@ class Run:
             return self.path.relative_to(self.root).as_posix()
         return f"{self.path.parent.name}/{self.path.name}"
 
+    @property
+    def evaluated(self) -> Path | None:
+        """The version folder of the fitted model that this run only tested (`test --ckpt_path`,
+        where no round ran), or None: a re-evaluation is not a run of its own."""
+        checkpoint = self.config.get("ckpt_path")
+        if not checkpoint or any("comm/rounds" in row for row in self.rows):
+            return None  # a fit, resumed from a checkpoint or not, logs its rounds
+        return Path(checkpoint).parent
+
     def _init_args(self, part: str) -> dict[str, Any]:
         return (self.config.get(part) or {}).get("init_args") or {}
 
@@ -178,13 +210,39 @@ class Run:
 
     @property
     def backbone(self) -> str:
-        if self.dataset == "synthetic":  # drawn in feature space: no backbone ran
+        data = self._init_args("data")
+        if self.dataset == "synthetic" or data.get("inputs") == "images":  # no backbone ran
             return "none"
-        return str(self._init_args("data").get("backbone", "unknown"))
+        return str(data.get("backbone", "unknown"))
+
+    @property
+    def inputs(self) -> str:
+        """What the method learned from: `<backbone> features` (with the inner layers it
+        concatenates), `synthetic features`, or `images → <architecture>` (raw pixels)."""
+        data = self._init_args("data")
+        if not data:
+            return "unknown"
+        if data.get("inputs") == "images":
+            return f"images → {self._init_args('model').get('architecture', 'model')}"
+        if self.dataset == "synthetic":
+            return "synthetic features"
+        layers = data.get("feature_layers")
+        return f"{self.backbone} features" + (f" [{'+'.join(map(str, layers))}]" if layers else "")
 
     @property
     def partition(self) -> str:
         return str(self._init_args("data").get("partition", "unknown"))
+
+    @property
+    def partition_label(self) -> str:
+        """The partition with its skew, as comparisons must match it: `dirichlet α=0.1`, `iid`."""
+        data = self._init_args("data")
+        if self.partition in SKEW:
+            key, text = SKEW[self.partition]
+            return f"{self.partition} {text.format(label_value(data.get(key)))}"
+        if self.partition == "flower":
+            return f"flower {(data.get('flower') or {}).get('partitioner', '?')}"
+        return self.partition
 
     @property
     def alpha(self) -> float:
@@ -219,6 +277,11 @@ class Run:
         logged = self.final("time/wall_s")
         return logged if math.isfinite(logged) else self.sweep_seconds
 
+    @cached_property
+    def same_as(self) -> tuple:
+        """`setting()`: what a run's repeats share (computed once)."""
+        return self.setting()
+
     def setting(self, without: tuple[str, ...] = ()) -> tuple:
         """Everything that defines the experiment except seeds, where it was written and the
         config keys `without`: runs with equal settings are repeats, averaged on the page. A run
@@ -230,9 +293,11 @@ class Run:
                             and key not in BOOKKEEPING and key not in without))
 
     def value_of(self, key: str) -> Any:
-        """A table field (`method`, `dataset`, `backbone`, `partition`, `alpha`, `K`) or a dotted
+        """A field (`method`, `dataset`, `inputs`, `partition` with its skew, `alpha`, `K`...) or a dotted
         config key, in the CLI's long (`model.init_args.num_layers`) or short
         (`model.num_layers`) form; None when the run has no such key."""
+        if key == "partition":
+            return self.partition_label
         if key in FIELDS and key != "K":
             return getattr(self, key)
         if key in ("K", "num_clients"):
@@ -250,43 +315,27 @@ class Run:
     def final(self, metric: str) -> float:
         return last_value(self.rows, metric)
 
-    def curve(self) -> tuple[str, str, list[float], list[float]] | None:
-        """(metric, x-axis name, xs, ys) of the first per-step accuracy with ≥ 2 points, or None.
+    def curve(self, metric: str) -> dict[str, list[float]] | None:
+        """The learning curve of `metric` (`round/test_acc`, `round/test_acc_local_mean`): each
+        scored round with the bytes each client had sent (`up`) and received (`down`) by then,
+        as {round, acc, up, down}; None when the run never logged it."""
+        points = {row["round/round"]: row for row in self.rows if metric in row and "round/round" in row}
+        if not points:
+            return None
+        rounds = sorted(points)
+        return {"round": rounds, "acc": [points[r][metric] for r in rounds],
+                "up": [points[r].get("round/bytes_up_per_client", math.nan) for r in rounds],
+                "down": [points[r].get("round/bytes_down_per_client", math.nan) for r in rounds]}
 
-        Depth rows are logged with step = depth (`depth/depth` when present); round rows carry
-        Lightning's 0-based `epoch`, shown as round epoch + 1.
-        """
-        for metric, axis in CURVES:
-            points = {}
-            for row in self.rows:
-                if metric not in row:
-                    continue
-                if axis == "depth":
-                    x = row.get("depth/depth", row.get("step", math.nan))
-                else:
-                    x = row["epoch"] + 1 if "epoch" in row else row.get("step", math.nan)
-                points[x] = row[metric]  # a re-logged x keeps its latest value
-            if len(points) >= 2:
-                xs = sorted(points)
-                return metric, axis, xs, [points[x] for x in xs]
-        return None
-
-    def round_points(self) -> tuple[str, list[float], list[float]] | None:
-        """(metric, bytes uploaded per client by each round, accuracy after it) from the rows of
-        a run with ≥ 2 rounds that logged a per-round accuracy, or None."""
-        sent = {_round_of(row): row["comm/bytes_up_per_client"] for row in self.rows
-                if "comm/bytes_up_per_client" in row}
-        for metric in ("round/test_acc", "val/acc"):
-            scores = {_round_of(row): row[metric] for row in self.rows if metric in row}
-            rounds = sorted(r for r in scores if r in sent)
-            if len(rounds) >= 2:
-                return metric, [sent[r] for r in rounds], [scores[r] for r in rounds]
-        return None
-
-
-def _round_of(row: dict[str, float]) -> float:
-    # Lightning's epochs count from 0; rows a method logs itself carry its step (the round)
-    return row["epoch"] + 1 if "epoch" in row else row.get("step", math.nan)
+    def depth_curve(self) -> dict[str, list[float]] | None:
+        """DeepAFL's test accuracy by depth (`depth/test_acc` against `depth/depth`, else the
+        row's step) as {depth, acc}; None without two depths."""
+        points = {row.get("depth/depth", row.get("step", math.nan)): row["depth/test_acc"]
+                  for row in self.rows if "depth/test_acc" in row}
+        if len(points) < 2:
+            return None
+        depths = sorted(points)
+        return {"depth": depths, "acc": [points[d] for d in depths]}
 
 
 def find_runs(paths: list[str | Path]) -> list[Run]:
@@ -327,7 +376,7 @@ def repeats(runs: list[Run]) -> list[list[Run]]:
     """Runs grouped into repeats (equal settings but for seeds), in order of first appearance."""
     groups: dict[tuple, list[Run]] = {}
     for run in runs:
-        groups.setdefault(run.setting(), []).append(run)
+        groups.setdefault(run.same_as, []).append(run)
     return list(groups.values())
 
 
