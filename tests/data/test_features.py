@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.conftest import CountingNet, FakeBackbone
-from workbench.data.features import cached_features, preprocess
+from workbench.data.features import cached_features, payload_digest, preprocess
 
 
 @pytest.fixture
@@ -48,6 +48,7 @@ def test_a_file_with_other_contents_is_rebuilt(images, tmp_path):
     (path,) = tmp_path.rglob("*.pt")
     blob = torch.load(path, weights_only=True)
     blob["labels"] = blob["labels"].flip(0)  # e.g. written for a different ordering of the data
+    blob["digests"]["labels"] = payload_digest(blob["labels"])  # a whole file, not a damaged one
     torch.save(blob, path)
     with pytest.warns(UserWarning, match="labels differ"):
         run(backbone, images, tmp_path)
@@ -77,3 +78,58 @@ def test_preprocess_expands_gray_and_normalizes():
     rgb[..., 1] = 255
     out = preprocess(rgb, 10, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
     assert torch.equal(out[0, :, 0, 0], torch.tensor([0.0, 1.0, 0.0]))
+
+
+def test_one_flipped_bit_in_the_payload_is_caught_and_rebuilt(images, tmp_path):
+    backbone = FakeBackbone(CountingNet())
+    expected = run(backbone, images, tmp_path)
+    (path,) = tmp_path.rglob("*.pt")
+    raw = bytearray(path.read_bytes())
+    start = raw.find(expected.numpy().tobytes())  # the features' bytes, stored uncompressed
+    assert start > 0
+    raw[start + 4 * 123] ^= 1  # the lowest mantissa bit of one value: still finite, same shape
+    path.write_bytes(bytes(raw))
+    damaged = torch.load(path, weights_only=True)["features"]
+    assert int((damaged != expected).sum()) == 1  # torch.load reads it without a word
+    with pytest.warns(UserWarning, match="do not match the digest") as caught:
+        rebuilt = run(backbone, images, tmp_path)
+    assert str(path) in str(caught[0].message)
+    assert backbone.model.calls == 8 and torch.equal(rebuilt, expected)
+    assert torch.equal(run(backbone, images, tmp_path), expected) and backbone.model.calls == 8  # healthy again
+
+
+def test_a_cache_written_before_digests_is_kept_and_gets_them(images, tmp_path, capsys):
+    backbone = FakeBackbone(CountingNet())
+    expected = run(backbone, images, tmp_path)
+    (path,) = tmp_path.rglob("*.pt")
+    blob = torch.load(path, weights_only=True)
+    del blob["digests"]  # the layout of the files written before digests
+    torch.save(blob, path)
+    assert torch.equal(run(backbone, images, tmp_path), expected) and backbone.model.calls == 4  # no rebuild
+    assert f"feature cache {path} predates digests" in capsys.readouterr().out
+    assert set(torch.load(path, weights_only=True)["digests"]) == {"features", "labels"}
+    raw = bytearray(path.read_bytes())  # and from now on damage is caught
+    raw[raw.find(expected.numpy().tobytes())] ^= 1
+    path.write_bytes(bytes(raw))
+    with pytest.warns(UserWarning, match="do not match the digest"):
+        run(backbone, images, tmp_path)
+    assert backbone.model.calls == 8
+
+
+def test_a_cache_before_digests_that_cannot_be_rewritten_is_used_as_before(images, tmp_path, capsys, monkeypatch):
+    import workbench.data.features as features
+
+    backbone = FakeBackbone(CountingNet())
+    expected = run(backbone, images, tmp_path)
+    (path,) = tmp_path.rglob("*.pt")
+    blob = torch.load(path, weights_only=True)
+    del blob["digests"]
+    torch.save(blob, path)
+
+    def read_only(blob, temporary):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(features, "_save", read_only)  # as in a read-only cache folder
+    assert torch.equal(run(backbone, images, tmp_path), expected) and backbone.model.calls == 4
+    assert "cannot be rewritten with them (Permission denied); using it unchecked" in capsys.readouterr().out
+    assert "digests" not in torch.load(path, weights_only=True)
