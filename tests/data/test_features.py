@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.conftest import CountingNet, FakeBackbone
-from workbench.data.features import cached_features, payload_digest, preprocess
+from workbench.data.features import all_finite, cached_features, payload_digest, preprocess
 
 
 @pytest.fixture
@@ -133,3 +133,12 @@ def test_a_cache_before_digests_that_cannot_be_rewritten_is_used_as_before(image
     assert torch.equal(run(backbone, images, tmp_path), expected) and backbone.model.calls == 4
     assert "cannot be rewritten with them (Permission denied); using it unchecked" in capsys.readouterr().out
     assert "digests" not in torch.load(path, weights_only=True)
+
+
+def test_all_finite_sees_one_nan_or_infinity_anywhere():
+    x = torch.randn(30, 7)
+    assert all_finite(x) and all_finite(torch.empty(0, 7))
+    for value in (float("nan"), float("inf"), -float("inf")):
+        y = x.clone()
+        y[17, 3] = value
+        assert not all_finite(y)

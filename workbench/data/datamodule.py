@@ -373,6 +373,8 @@ class FederatedDataModule(LightningDataModule):
 
     def _check_finite(self) -> None:
         """NaN/inf in any split's inputs is an error naming the split, the rows and their clients."""
+        from workbench.data.features import all_finite
+
         splits = [("training", self.train_features, self.train_client_ids),
                   ("test", self.test_features, None)]
         if self.args.val_fraction > 0:
@@ -380,7 +382,7 @@ class FederatedDataModule(LightningDataModule):
         if self.args.personalized:
             splits.append(("local test", self.local_test_features, self.local_test_client_ids))
         for split, features, client_ids in splits:
-            if not features.is_floating_point() or len(features) == 0:
+            if not features.is_floating_point() or all_finite(features):  # the rows only when some are bad
                 continue
             bad_rows = ~torch.isfinite(features.reshape(len(features), -1)).all(dim=1)
             count = int(bad_rows.sum())
