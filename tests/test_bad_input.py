@@ -1,6 +1,6 @@
 """Bad input is an error naming where it appeared, never a model fitted on it: NaN/inf features
 (which split, how many rows, which clients), non-finite aggregated uploads (which upload, which
-round), and a checkpoint of another method, settings or data shape."""
+round), and a checkpoint of another method, settings, data shape or data settings."""
 from __future__ import annotations
 
 import os
@@ -105,6 +105,21 @@ def test_a_checkpoint_of_another_method_or_settings_is_refused(tmp_path):
     assert float(tested.trainer.callback_metrics["test/acc"]) > 0.5
 
 
+def test_a_checkpoint_made_on_other_data_is_refused_unless_asked(tmp_path):
+    main(["fit", *METHODS["AFL"], *DATA, f"--run_dir={tmp_path / 'afl'}"])
+    afl = next((tmp_path / "afl").glob("*/version_0/model.ckpt"))
+    test = ["test", *METHODS["AFL"], *DATA, f"--run_dir={tmp_path / 'eval'}", f"--ckpt_path={afl}"]
+    with pytest.raises(ValueError, match=r"\(data.partition: checkpoint 'iid', config 'dirichlet'; data.seed: "
+                                         r"checkpoint 0, config 7\): pass the config .*\(--other_data=true loads it"):
+        main([*test, "--data.partition=dirichlet", "--data.seed=7"])
+    with pytest.raises(ValueError, match=r"\(data.synthetic.seed: checkpoint 0, config 3; data.val_fraction: "
+                                         r"checkpoint 0.0, config 0.2\)"):
+        main([*test, "--data.synthetic.seed=3", "--data.val_fraction=0.2"])
+    main([*test, "--data.extract_batch_size=7", "--data.batch_size=16"])  # where and how fast: the same data
+    other = main([*test, "--data.seed=7", "--other_data=true"])  # on purpose
+    assert float(other.trainer.callback_metrics["test/acc"]) > 0.5
+
+
 @pytest.mark.subprocess
 def test_a_resumed_fit_under_another_protocol_is_refused(tmp_path):
     from workbench.experiment import SIGNAL_AFTER_ROUND_ENV
@@ -117,3 +132,7 @@ def test_a_resumed_fit_under_another_protocol_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"federation.dropout: checkpoint 0.0, config 0.5"):
         main(["fit", *METHODS["FedAvg"], *DATA, f"--run_dir={tmp_path}", "--run_name=run",
               "--federation.dropout=0.5", "--ckpt_path=last"])
+    with pytest.raises(ValueError, match=r"data.num_clients: checkpoint 4, config 5; data.seed: checkpoint 0, "
+                                         r"config 7"):  # rounds on one partition, then on another: refused
+        main(["fit", *METHODS["FedAvg"], *DATA, f"--run_dir={tmp_path}", "--run_name=run",
+              "--data.num_clients=5", "--data.seed=7", "--ckpt_path=last"])

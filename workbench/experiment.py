@@ -214,7 +214,8 @@ class WorkbenchCLI(LightningCLI):
         self.method = self._get(self.config_init, "model")
         self.model = LightningEngine(self.method, self._get(self.config_init, "federation"),
                                      eval_every=self._get(self.config, "eval_every", default=1),
-                                     stopping=self._get(self.config_init, "stopping"))
+                                     stopping=self._get(self.config_init, "stopping"),
+                                     other_data=self._get(self.config, "other_data", default=False))
         self.trainer = self.instantiate_trainer()
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -233,6 +234,9 @@ class WorkbenchCLI(LightningCLI):
                             help="the stopping rule: patience (rounds without a gain of more than min_delta in "
                                  "validation accuracy, then the fit stops; 0: every round), min_delta; needs "
                                  "data.val_fraction, best with data.val_split=clients")
+        parser.add_argument("--other_data", type=bool, default=False,
+                            help="with --ckpt_path: accept a checkpoint made under other data settings (dataset, "
+                                 "partition, K, seeds, features, splits) on purpose; refused by default")
         parser.add_argument("--checkpoint_every_round", type=bool, default=True,
                             help="replace the run folder's last.ckpt after every round (a fit stopped by "
                                  "SIGINT/SIGTERM writes it anyway); resume with `fit --ckpt_path last`")

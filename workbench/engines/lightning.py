@@ -47,6 +47,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from workbench.engines import ddp
 from workbench.engines.local import LocalClients
 from workbench.engines.round import FitProtocol, RoundResult, Transport, run_final, run_round
+from workbench.data.datamodule import PARTITION_PARAMS
 from workbench.engines.stopping import Stopping
 from workbench.federation import Federation, codec
 from workbench.federation.privacy import clip_features
@@ -81,10 +82,13 @@ class LightningEngine(LightningModule):
             each point also holds `round/val_acc`.
         stopping: the stopping rule (`workbench.engines.stopping`): a plateau of validation
             accuracy ends the fit before `num_rounds`; default none.
+        other_data: load a checkpoint made under other data settings (another partition, seed,
+            K, features, split) on purpose; by default that is refused, each difference named.
     """
 
     def __init__(self, method: FederatedMethod, federation: Federation | None = None,
-                 clients: Transport | None = None, eval_every: int = 1, stopping: Stopping | None = None) -> None:
+                 clients: Transport | None = None, eval_every: int = 1, stopping: Stopping | None = None,
+                 other_data: bool = False) -> None:
         super().__init__()
         if not isinstance(method, FederatedMethod):
             raise TypeError(f"the engine runs a workbench FederatedMethod, got {type(method).__name__}")
@@ -97,6 +101,7 @@ class LightningEngine(LightningModule):
                              f"0: none), got {eval_every!r}")
         self.eval_every = eval_every
         self.stopping = stopping or Stopping()
+        self.other_data = other_data
         self._stop = False  # the stopping rule ended the fit after this round
         self.curve: list[dict[str, float]] = []  # the learning curve's points, one per scored round
         self.remote_clients = clients
@@ -450,7 +455,7 @@ class LightningEngine(LightningModule):
     # ---- checkpoints ------------------------------------------------------------------------
     def checkpoint_identity(self) -> dict[str, Any]:
         """What a checkpoint must match to be loaded into this engine: the method's class and
-        settings, the problem's shape and the protocol (plain values)."""
+        settings, the problem's shape, the data's settings and the protocol (plain values)."""
         method, problem = self.method, self.method.problem
         return {
             "method": f"{type(method).__module__}.{type(method).__qualname__}",
@@ -458,6 +463,7 @@ class LightningEngine(LightningModule):
             "problem": None if problem is None else {"input_shape": list(problem.input_shape),
                                                      "num_classes": problem.num_classes,
                                                      "num_clients": problem.num_clients},
+            "data": data_settings(self.data),
             "federation": plain(self.federation),
         }
 
@@ -474,7 +480,8 @@ class LightningEngine(LightningModule):
         saved = checkpoint.get("workbench")
         if saved is not None:  # checkpoints written before these checks were saved hold none
             resuming = self.trainer.state.fn == "fit"
-            check_checkpoint_matches(saved, self.checkpoint_identity(), resuming=resuming)
+            check_checkpoint_matches(saved, self.checkpoint_identity(), resuming=resuming,
+                                     other_data=self.other_data)
             self._restored_totals = dict(saved.get("totals") or {}) if resuming else None
         tables = [name[:-len(".rows")] for name in self.state_dict() if name.endswith(".rows")]
         lacking = [name for name in tables if f"{name}.rows" not in checkpoint["state_dict"]]
@@ -488,9 +495,42 @@ class LightningEngine(LightningModule):
         self.method.before_restore(state)
 
 
-def check_checkpoint_matches(saved: dict, configured: dict, *, resuming: bool) -> None:
+# Data settings that say where the data lives and how fast it is read, not what its rows are
+WHERE_NOT_WHAT = frozenset({"data_dir", "download", "cache_dir", "extract_batch_size", "device", "batch_size",
+                            "weights_path"})
+
+
+def data_settings(data: Any) -> dict[str, Any] | None:
+    """The settings of a run's data module that decide its rows, labels, clients and splits (plain
+    values; those of other partition schemes, an unused split or generator left out), or None for
+    data not built from settings."""
+    if not getattr(data, "hparams_initial", None):
+        return None
+    settings = plain(init_arguments(data))
+    unused = set(WHERE_NOT_WHAT)
+    unused |= {name for scheme, names in PARTITION_PARAMS.items() if scheme != settings.get("partition")
+               for name in names}
+    if not settings.get("personalized"):
+        unused.add("local_test_fraction")
+    if not settings.get("val_fraction"):
+        unused.add("val_split")
+    unused |= {name for name in ("synthetic", "hf") if settings.get("dataset") != name}
+    flat: dict[str, Any] = {}
+    for key, value in settings.items():
+        if key in unused:
+            continue
+        if isinstance(value, dict) and key != "flower":  # the generator's and own data's settings, one by one
+            flat.update({f"{key}.{name}": item for name, item in value.items()})
+        else:
+            flat[key] = value
+    return flat
+
+
+def check_checkpoint_matches(saved: dict, configured: dict, *, resuming: bool, other_data: bool = False) -> None:
     """One error naming what differs between a checkpoint and the configured run. A resumed fit
-    may run more rounds than the checkpointed one (`num_rounds`); the protocol only matters there."""
+    may run more rounds than the checkpointed one (`num_rounds`); the protocol only matters there.
+    The data's settings are compared unless `other_data` (a checkpoint tested on other data, or
+    resumed on it, on purpose)."""
     if saved.get("method") != configured["method"]:
         raise ValueError(f"the checkpoint holds a {saved.get('method')} model but the config asks for "
                          f"{configured['method']}: pass that run's config (its config.yaml) or a checkpoint "
@@ -501,14 +541,22 @@ def check_checkpoint_matches(saved: dict, configured: dict, *, resuming: bool) -
     for key in sorted((set(mine) | set(theirs)) - ignore):
         if mine.get(key, "<unset>") != theirs.get(key, "<unset>"):
             diffs.append(f"model.{key}: checkpoint {theirs.get(key, '<unset>')!r}, config {mine.get(key, '<unset>')!r}")
+    if not other_data and saved.get("data") is not None and configured["data"] is not None:
+        mine, theirs = configured["data"], saved["data"]
+        # a setting on one side only follows from one both hold (the partition scheme, a split's
+        # fraction, the dataset), which is named
+        diffs += [f"data.{key}: checkpoint {theirs[key]!r}, config {mine[key]!r}"
+                  for key in sorted(set(mine) & set(theirs)) if mine[key] != theirs[key]]
     if saved.get("problem") is not None and configured["problem"] is not None:
         for key, value in configured["problem"].items():
-            if saved["problem"].get(key) != value:
+            if saved["problem"].get(key) != value and f"data.{key}: " not in "".join(diffs):
                 diffs.append(f"data {key}: checkpoint {saved['problem'].get(key)!r}, config {value!r}")
     if resuming and saved.get("federation") is not None:
         for key, value in configured["federation"].items():
             if saved["federation"].get(key, value) != value:
                 diffs.append(f"federation.{key}: checkpoint {saved['federation'][key]!r}, config {value!r}")
     if diffs:
+        other = " (--other_data=true loads it under other data settings on purpose)" if any(
+            diff.startswith("data.") for diff in diffs) else ""
         raise ValueError("the checkpoint does not match the config (" + "; ".join(diffs) + "): pass the "
-                         "config it was made with (its run folder's config.yaml), or fit afresh")
+                         f"config it was made with (its run folder's config.yaml), or fit afresh{other}")
