@@ -9,8 +9,8 @@ tokenizer (a hash of it), max_length, pooling and normalization. Writes are atom
 Every file carries a digest of each tensor's bytes (xxh3-128, `payload_digest`), checked on every
 read: `torch.load` does not check the zip's CRCs, so without it a flipped bit on disk would change
 the features silently. A damaged file is rebuilt with a warning naming it. xxh3 because it is
-fast enough to check on every hit: on a 496 MB cache it adds 18 ms to a 262 ms `torch.load`
-(7 %), where blake2b would add 170 % (benchmarks/cache_digest.py).
+fast enough to check on every hit: on a 496 MB cache it adds 17 ms to a 272 ms `torch.load`
+(6 %), where blake2b would add 171 % (benchmarks/results/cache_digest.md).
 
 Precision: the forward runs in float32, or with `precision="bf16"` under bfloat16 autocast
 (convolutions and matrix products in bfloat16, other ops as torch.autocast decides); features
