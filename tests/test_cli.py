@@ -90,3 +90,14 @@ def test_impossible_partition_is_a_clear_error(tmp_path):
 def test_validate_without_a_validation_split_says_how_to_get_one(tmp_path):
     with pytest.raises(ValueError, match="val_fraction"):
         main(["validate", *TINY, f"--run_dir={tmp_path}"])
+
+
+def test_a_run_is_named_by_its_method_data_and_partition_without_stray_characters():
+    from workbench.data import FederatedDataModule
+    from workbench.methods import AFL
+    from workbench.runlog import default_run_name
+
+    data = FederatedDataModule(dataset="synthetic", num_clients=4, partition="dirichlet", alpha=0.5)
+    assert default_run_name(AFL(), data) == "afl-synthetic-dirichlet_alpha=0.5-k4"
+    data = FederatedDataModule(dataset="synthetic", num_clients=4, partition="iid")
+    assert default_run_name(AFL(), data) == "afl-synthetic-iid-k4"

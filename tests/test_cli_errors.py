@@ -51,6 +51,11 @@ def test_a_misspelled_method_lists_the_methods_and_the_closest(capsys, tmp_path)
     assert "unknown method 'AFLL'" in err and "DeepAFL, Ditto, FedAvg, FedAvgM" in err and "did you mean 'AFL'" in err
 
 
+def test_a_method_named_in_the_wrong_case_gets_its_spelling(capsys, tmp_path):
+    err = refused(capsys, tmp_path / "runs", *SYNTHETIC, "--model=Scaffold")
+    assert "unknown method 'Scaffold'" in err and "did you mean 'SCAFFOLD'" in err
+
+
 def test_a_setting_of_workbench_0_2_names_its_new_key(capsys, tmp_path):
     err = refused(capsys, tmp_path / "runs", *SYNTHETIC, "--model=FedAvg", "--model.lr=0.1")
     assert "FedAvg's settings are grouped since workbench 0.3: model.lr is now model.local.lr" in err

@@ -92,19 +92,29 @@ def moved_message(class_name: str, found: dict[str, str]) -> str:
             f"(--print_config shows the new layout)")
 
 
+def closest(name: str, options: list[str], cutoff: float = 0.6) -> list[str]:
+    """The option `name` most likely meant: one that differs only in case (`Scaffold` ->
+    `SCAFFOLD`), else the closest spelling ignoring case; [] when none is close."""
+    import difflib
+
+    lowered = {option.lower(): option for option in options}
+    if name.lower() in lowered:
+        return [lowered[name.lower()]]
+    return [lowered[match] for match in difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=cutoff)]
+
+
 def condense_parse_error(message: str, choices: dict[str, list[str]], describe, given=None) -> str:
     """A config error in a few lines. `choices` names the classes each of `model`/`data` accepts;
     `describe(class_path)` gives a class's setting names and its moved ones ({old: new key}), for
     close matches and for the settings a config still names the old way; `given` are the model's
     settings the command line and its config files give ({key: value}: every old one is listed
     at once)."""
-    import difflib
 
     unknown = _UNKNOWN_CLASS.search(message)
     if unknown:
         key, name = unknown.groups()
         kind = "method" if key == "model" else "data module"
-        close = difflib.get_close_matches(name, choices[key], n=1, cutoff=0.5)
+        close = closest(name, choices[key], cutoff=0.5)
         return (f"unknown {kind} {name!r} (--{key}); choose one of: {', '.join(choices[key])}"
                 + (f" (did you mean {close[0]!r}?)" if close else ""))
     option, group = _UNKNOWN_OPTION.search(message), _NOT_A_GROUP.search(message)
@@ -117,7 +127,7 @@ def condense_parse_error(message: str, choices: dict[str, list[str]], describe, 
                 old not in known or not isinstance(given[old], dict)))}  # a group given a plain value
             return moved_message(class_path.rsplit(".", 1)[-1], found)
         if option:
-            close = difflib.get_close_matches(name, known, n=1)
+            close = closest(name, known)
             return (f"{class_path.rsplit('.', 1)[-1]} has no setting {name!r}"
                     + (f"; did you mean {close[0]!r}?" if close else "")
                     + f" Its settings: {', '.join(known)}")

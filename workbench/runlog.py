@@ -81,7 +81,8 @@ def default_run_name(method, datamodule) -> str:
     name = f"{type(method).__name__}-{info['dataset']}-{info['partition']}-K{info['num_clients']}"
     swept = [f"{key.rsplit('.', 1)[-1]}={_value_text(value)}" for key, value in agent_values().items()]
     name = ",".join([name, *swept])
-    return re.sub(r"[^A-Za-z0-9_.=,-]+", "_", name.lower())
+    name = re.sub(r"[^A-Za-z0-9_.=,-]+", "_", name.lower())  # dirichlet(alpha=0.5) -> dirichlet_alpha=0.5_
+    return re.sub(r"_+(?=[-,]|$)", "", name)  # ... and no "_" left before a separator or at the end
 
 
 VERSION_ENV = "WORKBENCH_RUN_VERSION"  # the version rank 0 claimed, for the other processes of a fit
