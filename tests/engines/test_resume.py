@@ -116,8 +116,8 @@ def test_resuming_a_finished_fit_or_with_no_checkpoint_says_what_to_do(fits, tmp
     code, out = finish(start(tmp_path, *settings, "--ckpt_path=last"))
     assert code != 0 and "no last.ckpt under" in out
     done = root / "fedavg_linear" / "whole" / "run" / "version_0" / "last.ckpt"
-    code, out = finish(start(tmp_path, *settings, *rounds(total), f"--ckpt_path={done}"))
-    assert code != 0 and "already fitted" in out
+    code, out = finish(start(tmp_path, *settings, *rounds(total + 2), f"--ckpt_path={done}"))  # "run longer"
+    assert code == 2 and "error: this checkpoint is of a finished fit" in out and "Traceback" not in out
 
 
 def test_without_checkpoint_every_round_only_a_stop_writes_last(tmp_path):

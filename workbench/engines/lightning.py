@@ -205,10 +205,11 @@ class LightningEngine(LightningModule):
     # ---- rounds -----------------------------------------------------------------------------
     def on_fit_start(self) -> None:
         self._check_protocol()
-        if self.method.fitted:
-            raise RuntimeError(
-                f"this model is already fitted ({self.method.round} rounds and the final broadcast); start "
-                "from a fresh model (drop `ckpt_path`, or resume from a `last.ckpt` of an unfinished fit)")
+        if self.method.fitted:  # its final broadcast went out: the clients hold the delivered model
+            raise ValueError(
+                f"this checkpoint is of a finished fit ({self.method.round} rounds and the final broadcast): it "
+                "cannot run longer; fit afresh with the rounds you want (drop --ckpt_path), or resume the "
+                "last.ckpt of an unfinished fit")
         self.available = torch.unique(self.data.train_client_ids).to(self.device)  # clients with data
         self._totals = {"bytes_up": 0, "bytes_down": 0, "client_s": 0.0, "server_s": 0.0, "secure_s": 0.0}
         restored = self._restored_totals or {}
