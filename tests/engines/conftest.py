@@ -39,7 +39,8 @@ def fit_in_processes(run_dir: Path, *args: str, limit_s: float = 300) -> subproc
         except subprocess.TimeoutExpired:
             os.killpg(launcher.pid, signal.SIGKILL)  # the launcher and the process it started
             stdout, stderr = launcher.communicate()
-            raise AssertionError(f"the two-process fit had not ended after {limit_s:.0f} s:\n{stdout}\n{stderr}")
+            ended = f"the two-process fit had not ended after {limit_s:.0f} s:\n{stdout}\n{stderr}"
+            raise AssertionError(ended) from None
         finally:
             try:
                 os.killpg(launcher.pid, signal.SIGKILL)  # a second process left behind, once the launcher is done

@@ -44,10 +44,10 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 from torchmetrics.classification import MulticlassAccuracy
 
+from workbench.data.datamodule import PARTITION_PARAMS
 from workbench.engines import ddp
 from workbench.engines.local import LocalClients
 from workbench.engines.round import FitProtocol, RoundResult, Transport, run_final, run_round
-from workbench.data.datamodule import PARTITION_PARAMS
 from workbench.engines.stopping import Stopping
 from workbench.federation import Federation, codec
 from workbench.federation.privacy import clip_features
