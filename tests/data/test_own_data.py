@@ -2,6 +2,7 @@
 folders the tests write, each run through the CLI; natural partitions; bad data fails early."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -131,6 +132,8 @@ def test_cache_key_follows_the_files(tmp_path):
     datasets.Dataset.from_dict(blobs_table(n=40)).to_parquet(str(file))
     first = load_own_data(settings, tmp_path).data.source
     assert load_own_data(settings, tmp_path).data.source == first
+    declared = OwnData(path=str(file), feature_column="emb", num_classes=7)  # the classes are not the features
+    assert load_own_data(declared, tmp_path).data.source == first
     os.utime(file, ns=(0, 10**9))  # same bytes, other mtime: a new key
     assert load_own_data(settings, tmp_path).data.source != first
     assert load_own_data(OwnData(path=str(file), feature_column="emb", test_fraction=0.3),
@@ -177,6 +180,86 @@ def test_bad_labels_are_clear_errors(tmp_path):
         own(tmp_path, {**table, "label": [-1, *table["label"][1:]]}, feature_column="emb").setup()
     with pytest.raises(ValueError, match="not integer classes"):
         own(tmp_path, {**table, "label": [v + 0.5 for v in table["label"]]}, feature_column="emb").setup()
+
+
+def ten_classes(labels: list[int]) -> dict[str, list]:
+    """Precomputed features (4 numbers a row) of the given labels."""
+    rng = np.random.default_rng(0)
+    return {"emb": rng.normal(0, 1, (len(labels), 4)).tolist(), "label": labels}
+
+
+def test_a_stray_label_is_one_error_naming_it_and_the_fix_before_any_input_is_read(tmp_path, monkeypatch):
+    import workbench.data.hf as hf
+
+    def never(*args):
+        raise AssertionError("the inputs were read before the labels were checked")
+
+    monkeypatch.setattr(hf, "_features", never)
+    labels = [i % 10 for i in range(200)]
+    labels[17] = 50_000
+    with pytest.raises(ValueError) as error:
+        own(tmp_path, ten_classes(labels), feature_column="emb").setup()
+    assert str(error.value) == (
+        "data.hf.label_column 'label' does not hold class indices 0..C-1: its labels run up to 50000, so 50,001 "
+        "classes, of which 11 occur (at most 10% may be absent); the largest labels are 50000 (1 row), 9 (20 rows), "
+        "8 (20 rows): remap the labels to 0..C-1, or declare the number of classes in data.hf.num_classes")
+
+
+def test_a_label_of_a_billion_is_the_error_in_little_time_and_memory(tmp_path):
+    import resource
+    import time
+
+    labels = [i % 10 for i in range(200)]
+    labels[3] = labels[150] = 10**9
+    dm = own(tmp_path, ten_classes(labels), feature_column="emb")
+    peak_kib, start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.perf_counter()
+    with pytest.raises(ValueError, match=r"up to 1000000000, so 1,000,000,001 classes, of which 11 occur"
+                                         r".*are 1000000000 \(2 rows\), 9 \(20 rows\)"):
+        dm.setup()
+    assert time.perf_counter() - start < 10
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_kib) / 1024  # (a bincount: 8 GB)
+    assert grown_mib < 500, f"the peak memory grew by {grown_mib:.0f} MiB"
+
+
+def test_a_class_without_rows_among_ten_is_still_ten_classes(tmp_path):
+    labels = [i % 10 for i in range(200) if i % 10 != 4]
+    dm = own(tmp_path, ten_classes(labels), feature_column="emb")
+    dm.setup()
+    assert dm.num_classes == 10 and 4 not in dm.train_labels.tolist()
+    with pytest.raises(ValueError, match=r"up to 9, so 10 classes, of which 8 occur"):
+        own(tmp_path, ten_classes([v for v in labels if v != 8]), feature_column="emb").setup()  # two absent
+
+
+def test_declared_classes_may_be_sparse_and_bound_the_labels(tmp_path):
+    labels = [(0, 5, 9)[i % 3] for i in range(60)]
+    dm = own(tmp_path, ten_classes(labels), feature_column="emb", num_classes=10)
+    dm.setup()
+    assert dm.num_classes == 10
+    with pytest.raises(ValueError, match=r"20 labels outside 0..8 \(data.hf.num_classes=9\), e.g. \[9, 9, 9\]"):
+        own(tmp_path, ten_classes(labels), feature_column="emb", num_classes=9, test_split="train").setup()
+    with pytest.raises(ValueError, match=r"data\.hf\.num_classes must be a whole number ≥ 1"):
+        own(tmp_path, ten_classes(labels), feature_column="emb", num_classes=0)
+
+
+def test_a_stray_label_through_the_command_is_exit_status_2_and_two_lines(tmp_path, capsys):
+    from workbench.__main__ import main as command
+
+    labels = [i % 10 for i in range(200)]
+    labels[17] = 50_000
+    file = tmp_path / "features.parquet"
+    datasets.Dataset.from_dict(ten_classes(labels)).to_parquet(str(file))
+    capsys.readouterr()
+    status = command(["fit", "--model=AFL", "--data=FederatedDataModule", "--data.dataset=hf", f"--data.hf.path={file}",
+                      "--data.hf.feature_column=emb", f"--data.data_dir={tmp_path / 'data'}", "--data.partition=iid",
+                      "--trainer.enable_progress_bar=false", f"--run_dir={tmp_path / 'runs'}", "--wandb=disabled"])
+    err = capsys.readouterr().err.strip().splitlines()  # (after the datasets library's progress lines)
+    assert status == 2 and "Traceback" not in "\n".join(err) and [line for line in err if "error" in line] == err[-2:-1]
+    assert err[-2].startswith("error: data.hf.label_column 'label' does not hold class indices 0..C-1: its labels "
+                              "run up to 50000")
+    assert err[-2].endswith("declare the number of classes in data.hf.num_classes") and "--debug" in err[-1]
+    # found once the data is loaded, after the run folder was claimed: the folder says why the run failed
+    (status_file,) = (tmp_path / "runs").glob("*/version_0/status.json")
+    assert json.loads(status_file.read_text())["status"] == "failed"
 
 
 def test_bad_feature_rows_are_clear_errors(tmp_path):

@@ -7,8 +7,9 @@
 - exactly one input column: `image_column` (images go through an image backbone),
   `text_column` (a text backbone) or `feature_column` (precomputed features, one fixed-length
   numeric vector per row: they go straight to the methods and no backbone runs);
-- `label_column` (a `ClassLabel`, or non-negative integers), and optionally `client_column`
-  (who holds each row: writer, user, device), which `partition: natural` uses.
+- `label_column` (a `ClassLabel`, or integer classes 0..C−1: `class_count` says when the labels
+  alone may set C, else `num_classes` declares it), and optionally `client_column` (who holds
+  each row: writer, user, device), which `partition: natural` uses.
 A dataset without the `test_split` gets a seeded split stratified by label.
 
 Everything about the data is checked before any backbone runs, and bad data raises one
@@ -44,6 +45,9 @@ class OwnData:
         name (a dict maps split names to files).
     image_column, text_column, feature_column: set exactly one.
     label_column: integer class of each row (a `ClassLabel` gives the class names).
+    num_classes: the number of classes C of a plain integer label column, every label in 0..C−1
+        and any class free to be absent; None: C from the labels (`class_count`), or from the
+        ClassLabel's names.
     client_column: natural client of each row (any ints or strings), for `partition: natural`
         or a Flower partitioner with `by: client`.
     train_split: the split partitioned over the clients.
@@ -61,6 +65,7 @@ class OwnData:
     text_column: str | None = None
     feature_column: str | None = None
     label_column: str = "label"
+    num_classes: int | None = None
     client_column: str | None = None
     train_split: str = "train"
     test_split: str | None = None
@@ -90,6 +95,9 @@ class OwnData:
         if str(self.path).startswith((".", "/", "~")) and not local.exists():
             raise ValueError(f"data.hf.path {local} does not exist: point it at your folder or file")
         self.input_column()
+        if self.num_classes is not None and (isinstance(self.num_classes, bool) or not isinstance(
+                self.num_classes, int) or self.num_classes < 1):
+            raise ValueError(f"data.hf.num_classes must be a whole number ≥ 1 (or null), got {self.num_classes!r}")
         if not 0 < self.test_fraction < 1:
             raise ValueError(f"data.hf.test_fraction must be in (0, 1), got {self.test_fraction}")
         if self.image_size is not None and self.image_size < 1:
@@ -173,7 +181,9 @@ def _identity(settings: OwnData, fingerprint: str) -> str:
     """What the features depend on: the files' identity (path, size, mtime), or the hub
     dataset's fingerprint, and every setting that selects or transforms rows."""
     files = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in _local_files(settings)]
-    blob = json.dumps({"settings": asdict(settings),
+    # num_classes selects no rows and changes no input: out of the key, so caches written before it stay valid
+    chosen = {name: value for name, value in asdict(settings).items() if name != "num_classes"}
+    blob = json.dumps({"settings": chosen,
                        "files": files if files else None,
                        "fingerprint": None if files else fingerprint}, sort_keys=True, default=str)
     return f"hf {settings.path} sha256:{hashlib.sha256(blob.encode()).hexdigest()[:32]}"
@@ -210,8 +220,9 @@ def _load(datasets: Any, settings: OwnData, cache_dir: Path) -> Any:
         return datasets.load_dataset(where, data_files=settings.data_files, cache_dir=str(cache_dir))
 
 
-def _labels(split: Any, column: str, where: str) -> tuple[np.ndarray, tuple[str, ...] | None]:
-    """Integer labels of a split and the class names a ClassLabel column carries."""
+def _labels(split: Any, column: str, where: str, declared: int | None) -> tuple[np.ndarray, tuple[str, ...] | None]:
+    """Integer labels of a split and the class names a ClassLabel column carries; every label in
+    0..C−1 where C is declared (the ClassLabel's names, or `declared`), else ≥ 0."""
     import datasets
 
     feature = split.features[column]
@@ -222,12 +233,42 @@ def _labels(split: Any, column: str, where: str) -> tuple[np.ndarray, tuple[str,
             f"(e.g. {values[:3].tolist()}), not integer classes: store integer class indices, or "
             f"make it a ClassLabel first (datasets: `ds.class_encode_column({column!r})`)")
     names = tuple(feature.names) if isinstance(feature, datasets.ClassLabel) else None
-    bad = (values < 0) | (values >= len(names) if names else False)
+    if names and declared is not None and declared != len(names):
+        raise ValueError(f"data.hf.num_classes={declared} but data.hf.label_column {column!r} is a ClassLabel "
+                         f"of {len(names)} names: drop data.hf.num_classes (the names set the classes)")
+    count = len(names) if names else declared
+    bad = (values < 0) | (values >= count if count else False)
     if bad.any():
-        limit = f"0..{len(names) - 1} (its {len(names)} ClassLabel names)" if names else "≥ 0"
+        limit = ("≥ 0" if count is None else f"0..{count - 1} (its {count} ClassLabel names)" if names else
+                 f"0..{count - 1} (data.hf.num_classes={count})")
         raise ValueError(f"data.hf.label_column {column!r} of {where} has {int(bad.sum())} labels "
                          f"outside {limit}, e.g. {values[bad][:3].tolist()}: fix or drop those rows")
     return values.astype(np.int64), names
+
+
+MAX_ABSENT = 0.10  # the share of the classes 0..max label that may have no row when the labels set C
+
+
+def class_count(labels: Tensor, column: str = "label") -> int:
+    """C from non-negative integer labels (N,), N ≥ 1, without declared classes: max + 1, accepted
+    when at most 10 % of the classes 0..max have no row (absent ≤ 0.1 · (max + 1); of 10 classes
+    one may be absent). Otherwise one ValueError naming the largest label values, their rows and
+    the fix: a stray label 50,000 among 0..9 would otherwise make a 50,001-class model, its
+    uploads thousands of times larger, without a word.
+
+    Memory and time are O(N log N) whatever the values (distinct values by sorting: nothing of
+    the size of the largest label is ever allocated).
+    """
+    values, rows = torch.unique(labels, return_counts=True)  # sorted
+    count, present = int(values[-1]) + 1, len(values)
+    if (count - present) <= MAX_ABSENT * count:
+        return count
+    largest = ", ".join(f"{int(v)} ({int(n)} row{'s' if n > 1 else ''})"
+                        for v, n in zip(values[-3:].flip(0), rows[-3:].flip(0), strict=True))
+    raise ValueError(f"data.hf.label_column {column!r} does not hold class indices 0..C-1: its labels run up to "
+                     f"{count - 1}, so {count:,} classes, of which {present} occur{'s' if present == 1 else ''} (at "
+                     f"most {MAX_ABSENT:.0%} may be absent); the largest labels are {largest}: remap the labels "
+                     "to 0..C-1, or declare the number of classes in data.hf.num_classes")
 
 
 def _images(split: Any, settings: OwnData, where: str) -> Tensor:
@@ -312,16 +353,24 @@ def load_own_data(settings: OwnData, data_dir: str | Path) -> OwnDataset:
         if len(split) == 0:
             raise ValueError(f"split {name!r} of {settings.path} is empty")
 
-    def convert(split: Any, where: str) -> tuple[Any, np.ndarray, tuple[str, ...] | None]:
-        labels, names = _labels(split, settings.label_column, where)
-        inputs = (_images(split, settings, where) if kind == "image" else
-                  _texts(split, column, where) if kind == "text" else _features(split, column, where))
-        return inputs, labels, names
+    def inputs_of(split: Any, where: str) -> Any:
+        return (_images(split, settings, where) if kind == "image" else
+                _texts(split, column, where) if kind == "text" else _features(split, column, where))
 
-    train_inputs, train_labels, names = convert(train, f"split {settings.train_split!r}")
+    # The labels first, and the number of classes from them: before any input is decoded, and
+    # before anything sized by the labels (the stratified split counts rows per label value).
+    where_train, where_test = f"split {settings.train_split!r}", f"split {test_name!r}"
+    train_labels, names = _labels(train, settings.label_column, where_train, settings.num_classes)
+    test_labels = (None if test_name is None else
+                   _labels(splits[test_name], settings.label_column, where_test, settings.num_classes)[0])
+    every_label = train_labels if test_labels is None else np.concatenate([train_labels, test_labels])
+    num_classes = (len(names) if names else settings.num_classes
+                   or class_count(torch.from_numpy(every_label), settings.label_column))
+
+    train_inputs = inputs_of(train, where_train)
     client_values = np.asarray(train[settings.client_column]) if settings.client_column else None
     if test_name is not None:
-        test_inputs, test_labels, _ = convert(splits[test_name], f"split {test_name!r}")
+        test_inputs = inputs_of(splits[test_name], where_test)
     else:
         is_test = _stratified_test_mask(train_labels, settings.test_fraction, settings.split_seed)
         if is_test.all() or not is_test.any():
@@ -335,7 +384,6 @@ def load_own_data(settings: OwnData, data_dir: str | Path) -> OwnDataset:
     if kind == "features" and train_inputs.shape[1] != test_inputs.shape[1]:
         raise ValueError(f"train features have {train_inputs.shape[1]} columns but test features "
                          f"{test_inputs.shape[1]}: both splits need features of the same model")
-    num_classes = len(names) if names else int(max(train_labels.max(), test_labels.max())) + 1
     classes = names or tuple(str(c) for c in range(num_classes))
     client_ids, client_names = None, ()
     if client_values is not None:
