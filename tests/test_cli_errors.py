@@ -51,6 +51,13 @@ def test_a_misspelled_method_lists_the_methods_and_the_closest(capsys, tmp_path)
     assert "unknown method 'AFLL'" in err and "DeepAFL, Ditto, FedAvg, FedAvgM" in err and "did you mean 'AFL'" in err
 
 
+def test_a_config_that_is_not_yaml_is_named_with_its_line(capsys, tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model:\n  class_path: AFL\n  init_args: {gamma: [1,\n")
+    err = refused(capsys, tmp_path / "runs", "--config", str(broken))
+    assert f"error: {broken} is not valid YAML, line 4, column 1" in err and "<unicode string>" not in err
+
+
 def test_a_method_named_in_the_wrong_case_gets_its_spelling(capsys, tmp_path):
     err = refused(capsys, tmp_path / "runs", *SYNTHETIC, "--model=Scaffold")
     assert "unknown method 'Scaffold'" in err and "did you mean 'SCAFFOLD'" in err

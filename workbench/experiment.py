@@ -144,6 +144,33 @@ def _describe(class_path: str) -> tuple[list[str], dict[str, str]]:
     return names, moved
 
 
+def _config_files(args: list[str], cwd: Path) -> list[Path]:
+    """The `--config` files of a command line run in `cwd`, in order."""
+    files = []
+    for i, arg in enumerate(args):
+        if (arg in ("--config", "-c") and i + 1 < len(args)) or arg.startswith("--config="):
+            files.append(Path(os.path.normpath(cwd / (args[i + 1] if "=" not in arg else arg.split("=", 1)[1]))))
+    return files
+
+
+def _yaml_error(args: list[str], cwd: Path) -> str | None:
+    """The first `--config` file that is not valid YAML, with where (the parser's own message
+    names a "<unicode string>", not the file), or None."""
+    import yaml
+
+    for path in _config_files(args, cwd):
+        try:
+            yaml.safe_load(path.read_text())
+        except OSError:
+            continue
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+            return f"{path} is not valid YAML{where}: {problem}"
+    return None
+
+
 def _model_settings(args: list[str], cwd: Path) -> dict[str, object]:
     """The model settings a command line run in `cwd` gives, by top-level key: `--model.KEY=VALUE`
     flags (a nested `--model.KEY.SUB=...` gives a dict) and the keys under `model:` (or its
@@ -151,16 +178,15 @@ def _model_settings(args: list[str], cwd: Path) -> dict[str, object]:
     import yaml
 
     given: dict[str, object] = {}
-    for i, arg in enumerate(args):
-        if (arg in ("--config", "-c") and i + 1 < len(args)) or arg.startswith("--config="):
-            path = args[i + 1] if "=" not in arg else arg.split("=", 1)[1]
-            try:
-                model = (yaml.safe_load((cwd / path).read_text()) or {}).get("model") or {}
-            except (OSError, yaml.YAMLError, AttributeError):
-                continue
-            if isinstance(model, dict):
-                given.update({**model, **(model.get("init_args") or {})})
-        elif arg.startswith("--model."):
+    for path in _config_files(args, cwd):
+        try:
+            model = (yaml.safe_load(path.read_text()) or {}).get("model") or {}
+        except (OSError, yaml.YAMLError, AttributeError):
+            continue
+        if isinstance(model, dict):
+            given.update({**model, **(model.get("init_args") or {})})
+    for arg in args:
+        if arg.startswith("--model."):
             key, _, value = arg[len("--model."):].removeprefix("init_args.").partition("=")
             name, _, sub = key.partition(".")
             given[name] = {sub: value} if sub else value
@@ -182,6 +208,8 @@ class WorkbenchParser(LightningArgumentParser):
         command = (getattr(ex, "subcommand_parser", None) or self).prog.split()[-1]
         command = command if command in ("fit", "validate", "test") else "<command>"
         choices = {"model": [cls.__name__ for cls in method_classes()], "data": ["FederatedDataModule"]}
+        if "<unicode string>" in message:
+            message = _yaml_error(*WorkbenchParser.given) or message
         print(f"usage: python -m workbench {command} --config FILE [--key=value ...]   "
               f"(python -m workbench {command} --help lists the keys)\n"
               f"error: {condense_parse_error(message, choices, _describe, _model_settings(*WorkbenchParser.given))}",
