@@ -51,6 +51,13 @@ def test_a_misspelled_method_lists_the_methods_and_the_closest(capsys, tmp_path)
     assert "unknown method 'AFLL'" in err and "DeepAFL, Ditto, FedAvg, FedAvgM" in err and "did you mean 'AFL'" in err
 
 
+def test_more_clients_than_the_data_can_hold_is_refused_in_its_own_words_before_any_run_folder(capsys, tmp_path):
+    err = refused(capsys, tmp_path / "runs", "--model=AFL", "--data=FederatedDataModule", "--data.dataset=synthetic",
+                  "--data.num_clients=100", "--data.synthetic.train_size=300")
+    assert ("error: data.min_partition_size=10 for each of 100 clients needs 1000 samples but there are 300; "
+            "lower data.min_partition_size or data.num_clients") in err
+
+
 def test_a_config_that_is_not_yaml_is_named_with_its_line(capsys, tmp_path):
     broken = tmp_path / "broken.yaml"
     broken.write_text("model:\n  class_path: AFL\n  init_args: {gamma: [1,\n")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -24,6 +25,15 @@ PARTITION_PARAMS = {
     "flower": ("flower",),
 }
 
+
+
+def in_data_settings(message: str, params: dict[str, Any]) -> str:
+    """A partitioner's message in the data module's words: its `num_partitions` is
+    data.num_clients, its parameters are data.<name>, and a partition is a client."""
+    for name in params:
+        message = re.sub(rf"\b{name}\b", f"data.{name}", message)
+    message = re.sub(r"\bnum_partitions\b", "data.num_clients", message)
+    return re.sub(r"\bpartition(s?)\b", r"client\1", message)
 
 
 def check_inputs(dataset: str, inputs: str, backbone: str, cache_dir: str, hf: OwnData | None = None) -> None:
@@ -465,7 +475,12 @@ class FederatedDataModule(LightningDataModule):
             raise ValueError(f"data.partition={args.partition} partitions by client ids, and this data has "
                              "none: name the column in data.hf.client_column")
         keys = natural_ids if by_client else labels
-        ids = assign_clients(keys.numpy(), args.partition, args.num_clients, seed=args.seed, **params)
+        try:
+            ids = assign_clients(keys.numpy(), args.partition, args.num_clients, seed=args.seed, **params)
+        except ValueError as error:
+            if args.partition == "flower":  # its settings are Flower's, as the user gave them
+                raise
+            raise ValueError(in_data_settings(str(error), params)) from None
         return torch.from_numpy(np.asarray(ids, dtype=np.int64))
 
     # ---- loaders ----------------------------------------------------------------------------
