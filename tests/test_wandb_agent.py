@@ -150,3 +150,15 @@ def test_wandb_goes_online_when_a_server_or_key_is_configured(monkeypatch, tmp_p
     monkeypatch.delenv("WANDB_BASE_URL")
     (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password x\n")
     assert _wandb_mode("auto") == "online"
+
+
+def test_sync_without_credentials_says_how_to_log_in_before_listing_anything(agent_run, monkeypatch, tmp_path,
+                                                                            capsys):
+    for name in ("WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_CONFIG_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    assert main(["sync", str(agent_run)]) == 2
+    out, err = capsys.readouterr()
+    assert "offline runs" not in out and "no W&B credentials here: run `wandb login`" in err
+    assert len(err.strip().splitlines()) <= 2 and "Traceback" not in err
+    assert main(["sync", str(agent_run), "--dry_run"]) == 0  # listing needs none

@@ -15,6 +15,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger
 from workbench.console import SWEEP_ENV
 from workbench.files import write_text_atomically
 from workbench.settings import init_arguments, plain
+from workbench.sync import wandb_configured
 
 
 def _wandb_mode(requested: str) -> str:
@@ -26,27 +27,7 @@ def _wandb_mode(requested: str) -> str:
         return requested
     if os.environ.get("WANDB_MODE"):
         return os.environ["WANDB_MODE"]
-    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_BASE_URL"):
-        return "online"
-    netrc = Path.home() / ".netrc"
-    logged_in = netrc.exists() and any(
-        host in netrc.read_text(errors="ignore") for host in _wandb_hosts())
-    return "online" if logged_in else "offline"
-
-
-def _wandb_hosts() -> list[str]:
-    """api.wandb.ai, and the host `wandb login --host` saved in W&B's settings file."""
-    from configparser import ConfigParser, Error
-    from urllib.parse import urlparse
-
-    folder = Path(os.environ.get("WANDB_CONFIG_DIR") or Path.home() / ".config" / "wandb")
-    settings = ConfigParser()
-    try:
-        settings.read(folder / "settings")
-    except Error:  # a malformed file configures nothing
-        return ["api.wandb.ai"]
-    base_url = settings.get("default", "base_url", fallback="")
-    return ["api.wandb.ai", *([urlparse(base_url).hostname] if urlparse(base_url).hostname else [])]
+    return "online" if wandb_configured() else "offline"
 
 
 def sweep_name() -> str | None:

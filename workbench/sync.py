@@ -9,10 +9,36 @@ this finds them all and hands them to `wandb sync`. Runs W&B marked as uploaded
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import subprocess
 import sys
 from pathlib import Path
+
+
+def wandb_configured() -> bool:
+    """W&B credentials are set up: an API key, a self-hosted `WANDB_BASE_URL`, or the `~/.netrc`
+    entry `wandb login` writes for its host (api.wandb.ai, or the `base_url` of W&B's settings
+    file)."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_BASE_URL"):
+        return True
+    netrc = Path.home() / ".netrc"
+    return netrc.exists() and any(host in netrc.read_text(errors="ignore") for host in _wandb_hosts())
+
+
+def _wandb_hosts() -> list[str]:
+    """api.wandb.ai, and the host `wandb login --host` saved in W&B's settings file."""
+    from configparser import ConfigParser, Error
+    from urllib.parse import urlparse
+
+    folder = Path(os.environ.get("WANDB_CONFIG_DIR") or Path.home() / ".config" / "wandb")
+    settings = ConfigParser()
+    try:
+        settings.read(folder / "settings")
+    except Error:  # a malformed file configures nothing
+        return ["api.wandb.ai"]
+    base_url = settings.get("default", "base_url", fallback="")
+    return ["api.wandb.ai", *([urlparse(base_url).hostname] if urlparse(base_url).hostname else [])]
 
 
 def offline_runs(folders: list[str | Path], include_synced: bool = False) -> list[Path]:
@@ -41,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--all", action="store_true", help="upload runs marked as synced too")
     parser.add_argument("--dry_run", action="store_true", help="list the runs and the command only")
     args = parser.parse_args(argv)
+    if not (args.dry_run or wandb_configured()):
+        parser.error("no W&B credentials here: run `wandb login` (or set WANDB_API_KEY, and WANDB_BASE_URL for a "
+                     "self-hosted server), then sync again; --dry_run lists the runs without them")
     try:
         runs = offline_runs(args.folders, include_synced=args.all)
     except FileNotFoundError as error:
