@@ -267,6 +267,14 @@ def test_bad_feature_rows_are_clear_errors(tmp_path):
         own(tmp_path, {**table, "emb": ["a", "b", "c"] * 5}, feature_column="emb").setup()
 
 
+def test_nan_in_your_own_features_names_your_file_not_the_cache(tmp_path):
+    table = {"emb": [[1.0, 2.0], [float("nan"), 1.0], [3.0, 4.0]] * 10, "label": [0, 1, 1] * 10}
+    with pytest.raises(ValueError, match=r"NaN/inf features.*\(they come from your file's 'emb' column, "
+                                         rf"{tmp_path / 'data.parquet'}\)") as error:
+        own(tmp_path, table, feature_column="emb").setup()
+    assert "cache" not in str(error.value)
+
+
 def test_a_row_without_its_client_is_an_error(tmp_path):
     table = blobs_table(n=40)
     with pytest.raises(ValueError, match=r"1 empty train rows \(e.g. rows \[0\]\)"):

@@ -403,12 +403,17 @@ class FederatedDataModule(LightningDataModule):
                 clients = torch.unique(client_ids[bad_rows]).tolist()
                 shown = clients if len(clients) <= 10 else [*clients[:10], "..."]
                 where = f" of client{'s' if len(clients) > 1 else ''} {shown}"
-            source = "the generated data" if self.args.dataset == "synthetic" else (
-                "the raw images" if self.args.inputs == "images" else f"the cached features in {self.args.cache_dir}")
+            if self.args.dataset == "hf" and own_modality(self.hf) == "features":  # the user's own vectors
+                source = f"your file's {self.hf.feature_column!r} column, {self.hf.path}"
+            else:
+                source = "the generated data" if self.args.dataset == "synthetic" else (
+                    "the raw images" if self.args.inputs == "images" else
+                    f"the backbone's features cached in {self.args.cache_dir}; a damaged cache file is rebuilt once "
+                    "deleted")
             raise ValueError(
                 f"data '{self.args.dataset}': {count} {split} row{'s' if count > 1 else ''}{where} "
                 f"hold{'s' if count == 1 else ''} NaN/inf features, so no model is fitted on them: repair or drop "
-                f"those rows (they come from {source}; a damaged feature cache is rebuilt once deleted)")
+                f"those rows (they come from {source})")
 
     def _backbone_features(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         from workbench.backbones import build_backbone
