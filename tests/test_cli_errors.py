@@ -193,3 +193,15 @@ def test_a_missing_checkpoint_fails_before_the_trainer(capsys, tmp_path):
     err = capsys.readouterr().err
     assert status == 2 and "no checkpoint at --ckpt_path=" in err and "model.ckpt" in err
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.subprocess
+def test_the_flower_engine_without_its_extra_is_the_install_hint_alone():
+    import subprocess
+    import sys
+
+    hidden = "import sys; sys.modules['flwr'] = None; import workbench.engines.flower"  # as if not installed
+    done = subprocess.run([sys.executable, "-c", hidden], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and done.stderr.count("Traceback") == 1, done.stderr
+    assert done.stderr.strip().endswith("ImportError: the Flower engine needs Flower, an optional extra: pip install "
+                                        "-e '.[flower]' (it installs flwr[simulation], which brings Ray)")

@@ -48,8 +48,8 @@ INSTALL_HINT = ("the Flower engine needs Flower, an optional extra: pip install 
 
 try:
     import flwr  # noqa: F401
-except ImportError as missing:  # the extra is not installed
-    raise ImportError(INSTALL_HINT) from missing
+except ImportError:  # the extra is not installed: the hint alone, not the import's traceback beside it
+    raise ImportError(INSTALL_HINT) from None
 
 from workbench.engines.flower.spec import RunSpec  # noqa: E402
 from workbench.engines.flower.transport import FlowerClients, FlowerTraffic  # noqa: E402
