@@ -44,15 +44,17 @@ def write_report(lines: list[str], out: str | Path) -> Path:
     return out
 
 
-def fit_engine(method, datamodule, federation=None, test: bool = True, **trainer_options):
+def fit_engine(method, datamodule, federation=None, test: bool = True, stopping=None, eval_every: int = 1,
+               **trainer_options):
     """Fits `method` in process (the Lightning engine, a quiet Trainer) and, with `test`, tests it:
-    returns (engine, the test metrics or {}); `engine.fit_metrics` holds `comm/*` and `time/*`.
-    `trainer_options` go to the Trainer (e.g. accelerator="cpu")."""
+    returns (engine, the test metrics or {}); `engine.fit_metrics` holds `comm/*` and `time/*`,
+    `engine.curve` the learning curve. `stopping`, `eval_every`: the engine's. `trainer_options`
+    go to the Trainer (e.g. accelerator="cpu")."""
     from lightning import Trainer
 
     from workbench.engines import LightningEngine
 
-    engine = LightningEngine(method, federation)
+    engine = LightningEngine(method, federation, stopping=stopping, eval_every=eval_every)
     trainer = Trainer(max_epochs=max(method.num_rounds, 1), logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                       **trainer_options)
