@@ -50,7 +50,9 @@ def write_runs(root: Path) -> Path:
     shutil.copytree(fitted, flower, ignore=shutil.ignore_patterns("*.ckpt"))
     config = flower / "config.yaml"
     config.write_text(config.read_text().replace("engine: lightning", "engine: flower"))
-    assert main(["fit", *TINY, "--data.num_clients=2000", f"--run_dir={root}", "--run_name=n_too_many"]) == 2
+    # fails once its run folder exists: the fit's checkpoint scored on other data
+    assert main(["test", *TINY, "--data.alpha=0.3", f"--run_dir={root}", "--run_name=other_data",
+                 f"--ckpt_path={fitted / 'model.ckpt'}"]) == 2
     refused = root / "sweep" / "alpha=0"
     refused.mkdir(parents=True)
     (refused / "status.json").write_text(json.dumps({
