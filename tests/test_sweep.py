@@ -267,4 +267,4 @@ def test_the_demo_sweep_runs_end_to_end_and_is_compared_on_the_dashboard(tmp_pat
     assert main(["compare", str(run_dir / "demo_analytic"), "--out", str(out)]) == 0
     page = (out / "index.html").read_text()
     assert "(n=2)" in page and all(run.name in page for run in runs)
-    assert (out / "accuracy_vs_alpha.png").exists() and (out / "accuracy_vs_time.png").exists()
+    assert 'id="fig-final"' in page and 'id="fig-alpha"' in page and "Plotly.react" in page  # drawn in the page

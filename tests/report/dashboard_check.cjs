@@ -25,7 +25,8 @@ const { chromium } = require("playwright-core");
     const headers = () => page.$$eval("#runs thead th", (ths) => ths.map((th) => th.dataset.key || th.textContent));
     seen.rows = await rows();
     seen.headers = await headers();
-    seen.table_fits = await page.evaluate(() => document.getElementById("runs").scrollWidth <= document.querySelector(".scroll").clientWidth);
+    seen.table_widths = await page.evaluate(() => [document.getElementById("runs").scrollWidth, document.querySelector(".scroll").clientWidth]);
+    seen.table_fits = seen.table_widths[0] <= seen.table_widths[1];
     seen.groups = await page.$$eval("#group option", (options) => options.map((option) => option.value));
     seen.figures = await page.$$eval(".figures [id^=fig-]", (divs) => divs.map((div) => [div.id, div.querySelector(".main-svg") ? "plot" : "note"]));
 

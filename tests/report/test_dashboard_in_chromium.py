@@ -47,7 +47,7 @@ def test_the_page_works_in_chromium(report, run_dir, tmp_path):
     assert seen["console_errors"] == [] and seen["requests"] == []  # nothing fetched, nothing failed
     done = sorted(run.name for run in find_runs([run_dir]) if run.status == "done")
     assert sorted(name for row in seen["rows"] for name in row.split()) == done  # every run, once
-    assert seen["table_fits"]  # at 1400 px, no column off-screen
+    assert seen["table_fits"], seen["table_widths"]  # at 1400 px, no column off-screen (table, room)
     assert [name for row in seen["rows_without_fedavg"] for name in row.split()] == [
         name for row in seen["rows"] for name in row.split() if "fedavg" not in name]  # the filter hid FedAvg's
     down = "comm/bytes_down_per_client"

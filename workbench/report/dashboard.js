@@ -166,7 +166,8 @@
     for (const column of columns) {
       const numeric = column.kind !== "text" && column.kind !== "config";
       const th = el("th", { class: numeric ? "num" : "text", title: column.key, "data-key": column.key,
-        "aria-sort": column.key === key ? (descending ? "descending" : "ascending") : null, text: shortHeader(column.key) });
+        "aria-sort": column.key === key ? (descending ? "descending" : "ascending") : null,
+        text: shortHeader(column.key).replace(/([_/])/g, "$1\u200b") });  // a long header may wrap after _ or /
       th.addEventListener("click", () => {  // numbers start best-first, text A-first; a second click reverses
         const first = { key: column.key, descending: column.key === key ? !descending : numeric };
         state.sort = [first, ...state.sort.filter((order) => order.key !== column.key)].slice(0, 3);
