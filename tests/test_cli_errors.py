@@ -202,6 +202,9 @@ def test_the_flower_engine_without_its_extra_is_the_install_hint_alone():
 
     hidden = "import sys; sys.modules['flwr'] = None; import workbench.engines.flower"  # as if not installed
     done = subprocess.run([sys.executable, "-c", hidden], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 1 and done.stderr.count("Traceback") == 1, done.stderr
-    assert done.stderr.strip().endswith("ImportError: the Flower engine needs Flower, an optional extra: pip install "
-                                        "-e '.[flower]' (it installs flwr[simulation], which brings Ray)")
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().endswith("the Flower engine needs Flower, an optional extra: pip install -e '.[flower]' "
+                                        "(it installs flwr[simulation], which brings Ray)")
+    for chained in ("During handling of the above exception", "The above exception was the direct cause",
+                    "import of flwr halted"):  # the hint alone, whoever prints the traceback
+        assert chained not in done.stderr, done.stderr
