@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -136,3 +137,36 @@ def test_a_resumed_fit_under_another_protocol_is_refused(tmp_path):
                                          r"config 7"):  # rounds on one partition, then on another: refused
         main(["fit", *METHODS["FedAvg"], *DATA, f"--run_dir={tmp_path}", "--run_name=run",
               "--data.num_clients=5", "--data.seed=7", "--ckpt_path=last"])
+
+
+def test_a_full_disk_is_one_line_naming_the_folder_with_the_last_checkpoint_intact(tmp_path, monkeypatch, capsys):
+    import tempfile
+
+    import torch
+
+    from workbench.__main__ import main as command
+
+    system_temp = tmp_path / "system-temp"
+    system_temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(system_temp))  # where Lightning's own writer staged a copy
+    save, writes = torch.save, []
+
+    def save_until_full(obj, f, *args, **kwargs):
+        writes.append(f)
+        if len(writes) > 1 and str(f).endswith(".tmp"):  # the second round's checkpoint: the disk is full
+            Path(f).write_bytes(b"\0" * 1000)
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 896 vs 790")
+        return save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save_until_full)
+    status = command(["fit", *METHODS["FedAvg"], "--model.num_rounds=3", *DATA, f"--run_dir={tmp_path / 'runs'}"])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 2, err
+    (version,) = (tmp_path / "runs").glob("*/version_0")
+    assert f"error: no room for last.ckpt in {version} (" in err and "the previous last.ckpt is intact" in err
+    monkeypatch.setattr(torch, "save", save)
+    kept = torch.load(version / "last.ckpt", weights_only=False)  # round 1's, whole
+    assert kept["workbench"]["totals"]["bytes_up"] > 0
+    assert sorted(path.name for path in version.iterdir()) == ["config.yaml", "hparams.yaml", "last.ckpt",
+                                                               "metrics.csv", "status.json"]  # no temporary left
+    assert not list(system_temp.iterdir())

@@ -101,3 +101,20 @@ def test_a_run_is_named_by_its_method_data_and_partition_without_stray_character
     assert default_run_name(AFL(), data) == "afl-synthetic-dirichlet_alpha=0.5-k4"
     data = FederatedDataModule(dataset="synthetic", num_clients=4, partition="iid")
     assert default_run_name(AFL(), data) == "afl-synthetic-iid-k4"
+
+
+def test_resuming_removes_what_a_killed_checkpoint_write_left_in_the_interrupted_folder(tmp_path):
+    import subprocess
+    import sys
+
+    from workbench.experiment import newest_last_checkpoint
+    from workbench.files import _HOST
+
+    version = tmp_path / "run" / "version_0"
+    version.mkdir(parents=True)
+    (version / "last.ckpt").write_bytes(b"round 2")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left = version / f".last.ckpt.{_HOST}.{int(dead.stdout)}.tmp"  # its writer has exited
+    left.write_bytes(b"half of round 3")
+    assert newest_last_checkpoint(tmp_path / "run") == version / "last.ckpt"
+    assert not left.exists() and (version / "last.ckpt").read_bytes() == b"round 2"

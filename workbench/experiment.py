@@ -20,16 +20,20 @@ exclusively, so concurrent runs into one `--run_dir` never share one.
 from __future__ import annotations
 
 import contextlib
+import errno
 import inspect
 import io
 import logging
 import os
 import re
+import shutil
 import signal
 import sys
 import warnings
 from pathlib import Path
 
+import torch
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
@@ -41,7 +45,7 @@ from workbench.engines import LightningEngine
 from workbench.engines.ddp import end_processes
 from workbench.engines.stopping import Stopping
 from workbench.federation import Federation
-from workbench.files import replaced_atomically
+from workbench.files import remove_orphaned_temporaries, replaced_atomically
 from workbench.methods import FederatedMethod
 from workbench.runlog import finish_run, log_hparams, make_loggers, print_summary
 
@@ -50,11 +54,40 @@ from workbench.runlog import finish_run, log_hparams, make_loggers, print_summar
 SIGNAL_AFTER_ROUND_ENV = "WORKBENCH_SIGNAL_AFTER_ROUND"
 
 
+class DirectCheckpointIO(TorchCheckpointIO):
+    """Writes a checkpoint straight into the file it is given (`save_atomically`'s temporary):
+    Lightning's own writer stages it in the system temp folder first, where a failed write left
+    a copy behind for every checkpoint."""
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        if storage_options is not None:
+            raise TypeError("DirectCheckpointIO takes no storage_options")
+        torch.save(checkpoint, path)
+
+
+def _out_of_room(error: BaseException) -> bool:
+    """A write that failed because its file system is full (torch's writer says so in its words)."""
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(error, RuntimeError) and any(
+        words in str(error) for words in ("file write failed", "unexpected pos", "No space left"))
+
+
 def save_atomically(trainer, path: Path) -> None:
     """`trainer.save_checkpoint` to a temporary file renamed over `path` (`workbench.files`): a
-    reader (or a crash) never sees half a checkpoint. Every process calls it; rank 0 writes."""
-    with replaced_atomically(path) as temporary:
-        trainer.save_checkpoint(temporary, weights_only=False)  # the whole state: a fit resumes from it
+    reader (or a crash) never sees half a checkpoint, and a full disk leaves the previous one
+    whole and no temporary anywhere. Every process calls it; rank 0 writes."""
+    try:
+        with replaced_atomically(path) as temporary:
+            trainer.save_checkpoint(temporary, weights_only=False)  # the whole state: a fit resumes from it
+    except (OSError, RuntimeError) as error:
+        if not _out_of_room(error):
+            raise
+        free = shutil.disk_usage(path.parent).free
+        kept = f"; the previous {path.name} is intact" if path.exists() else ""
+        raise OSError(f"no room for {path.name} in {path.parent} ({free / 1e6:.1f} MB free): free some space "
+                      f"(the checkpoint needs about the model's size, and as much again while it is replaced){kept}"
+                      ) from None
 
 
 class RoundCheckpoint(Callback):
@@ -117,7 +150,9 @@ def newest_last_checkpoint(run_folder: Path, exclude: Path | None = None) -> Pat
     if not found:
         raise FileNotFoundError(f"no last.ckpt under {run_folder}/version_*: pass --ckpt_path=<file>, or "
                                 "the --run_dir/--run_name of the interrupted fit")
-    return max(found, key=number)
+    newest = max(found, key=number)
+    remove_orphaned_temporaries(newest.parent)  # a write the interruption killed: the resume writes elsewhere
+    return newest
 
 
 def _describe(class_path: str) -> tuple[list[str], dict[str, str]]:
@@ -292,6 +327,7 @@ class WorkbenchCLI(LightningCLI):
             kwargs["logger"] = loggers
             kwargs.setdefault("default_root_dir", loggers[0].log_dir)
         trainer = super().instantiate_trainer(**kwargs)
+        trainer.strategy.checkpoint_io = DirectCheckpointIO()
         if self.subcommand == "fit" and self._get(self.config, "engine") != "flower":
             self.round_checkpoint = RoundCheckpoint(
                 every_round=self._get(self.config, "checkpoint_every_round", default=True))
