@@ -109,7 +109,6 @@ def condense_parse_error(message: str, choices: dict[str, list[str]], describe, 
     close matches and for the settings a config still names the old way; `given` are the model's
     settings the command line and its config files give ({key: value}: every old one is listed
     at once)."""
-
     unknown = _UNKNOWN_CLASS.search(message)
     if unknown:
         key, name = unknown.groups()

@@ -15,7 +15,11 @@ from torch.utils.data import DataLoader, Dataset
 from workbench.data.hf import OwnData, own_modality
 from workbench.data.partition import partition as assign_clients
 from workbench.data.partition import stratified_holdout
+from workbench.settings import init_arguments, plain
 
+# Settings that say where the data lives and how fast it is read, not what its rows are
+WHERE_NOT_WHAT = frozenset({"data_dir", "download", "cache_dir", "extract_batch_size", "device", "batch_size",
+                            "weights_path"})
 PARTITION_PARAMS = {
     "iid": (),
     "dirichlet": ("alpha", "min_partition_size", "self_balancing"),
@@ -296,6 +300,30 @@ class FederatedDataModule(LightningDataModule):
         """Numbers per input: d for features, c·H·W for images."""
         return math.prod(self.input_shape)
 
+    def identity(self) -> dict[str, Any]:
+        """The settings that decide this data's rows, labels, clients and splits, as plain values
+        by dotted key (`synthetic.dim`): what a checkpoint made on it must match. Where the data
+        lives, batch sizes, and the settings of another partition scheme, an unused split or
+        another dataset's generator are left out."""
+        settings = plain(init_arguments(self))
+        args = self.args
+        unused = set(WHERE_NOT_WHAT) | {name for scheme, names in PARTITION_PARAMS.items()
+                                        if scheme != args.partition for name in names}
+        if not args.personalized:
+            unused.add("local_test_fraction")
+        if not self.has_validation:
+            unused.add("val_split")
+        unused |= {name for name in ("synthetic", "hf") if args.dataset != name}
+        flat: dict[str, Any] = {}
+        for key, value in settings.items():
+            if key in unused:
+                continue
+            if isinstance(value, dict) and key != "flower":  # the generator's and own data's settings, one by one
+                flat.update({f"{key}.{name}": item for name, item in value.items()})
+            else:
+                flat[key] = value
+        return flat
+
     def describe(self) -> dict[str, str]:
         """Short labels of this data setup, for run names, tags and tables."""
         args = self.args
@@ -387,7 +415,7 @@ class FederatedDataModule(LightningDataModule):
 
         splits = [("training", self.train_features, self.train_client_ids),
                   ("test", self.test_features, None)]
-        if self.args.val_fraction > 0:
+        if self.has_validation:
             splits.append(("validation", self.val_features, None))
         if self.args.personalized:
             splits.append(("local test", self.local_test_features, self.local_test_client_ids))
@@ -501,7 +529,7 @@ class FederatedDataModule(LightningDataModule):
         return self.args.val_fraction > 0
 
     def val_dataloader(self) -> DataLoader | list:
-        if self.args.val_fraction == 0:
+        if not self.has_validation:
             return []  # no validation split: Lightning skips the loop
         return DataLoader(FeatureBatches(self.args.batch_size, features=self.val_features,
                                          labels=self.val_labels), batch_size=None)

@@ -44,7 +44,6 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 from torchmetrics.classification import MulticlassAccuracy
 
-from workbench.data.datamodule import PARTITION_PARAMS
 from workbench.engines import ddp
 from workbench.engines.local import LocalClients
 from workbench.engines.round import FitProtocol, RoundResult, Transport, run_final, run_round
@@ -457,14 +456,14 @@ class LightningEngine(LightningModule):
     def checkpoint_identity(self) -> dict[str, Any]:
         """What a checkpoint must match to be loaded into this engine: the method's class and
         settings, the problem's shape, the data's settings and the protocol (plain values)."""
-        method, problem = self.method, self.method.problem
+        method, problem, data = self.method, self.method.problem, self.data
         return {
             "method": f"{type(method).__module__}.{type(method).__qualname__}",
             "settings": plain(init_arguments(method)),
             "problem": None if problem is None else {"input_shape": list(problem.input_shape),
                                                      "num_classes": problem.num_classes,
                                                      "num_clients": problem.num_clients},
-            "data": data_settings(self.data),
+            "data": data.identity() if hasattr(data, "identity") else None,  # None: not a FederatedDataModule
             "federation": plain(self.federation),
         }
 
@@ -496,37 +495,6 @@ class LightningEngine(LightningModule):
         self.method.before_restore(state)
 
 
-# Data settings that say where the data lives and how fast it is read, not what its rows are
-WHERE_NOT_WHAT = frozenset({"data_dir", "download", "cache_dir", "extract_batch_size", "device", "batch_size",
-                            "weights_path"})
-
-
-def data_settings(data: Any) -> dict[str, Any] | None:
-    """The settings of a run's data module that decide its rows, labels, clients and splits (plain
-    values; those of other partition schemes, an unused split or generator left out), or None for
-    data not built from settings."""
-    if not getattr(data, "hparams_initial", None):
-        return None
-    settings = plain(init_arguments(data))
-    unused = set(WHERE_NOT_WHAT)
-    unused |= {name for scheme, names in PARTITION_PARAMS.items() if scheme != settings.get("partition")
-               for name in names}
-    if not settings.get("personalized"):
-        unused.add("local_test_fraction")
-    if not settings.get("val_fraction"):
-        unused.add("val_split")
-    unused |= {name for name in ("synthetic", "hf") if settings.get("dataset") != name}
-    flat: dict[str, Any] = {}
-    for key, value in settings.items():
-        if key in unused:
-            continue
-        if isinstance(value, dict) and key != "flower":  # the generator's and own data's settings, one by one
-            flat.update({f"{key}.{name}": item for name, item in value.items()})
-        else:
-            flat[key] = value
-    return flat
-
-
 def check_checkpoint_matches(saved: dict, configured: dict, *, resuming: bool, other_data: bool = False) -> None:
     """One error naming what differs between a checkpoint and the configured run. A resumed fit
     may run more rounds than the checkpointed one (`num_rounds`); the protocol only matters there.
@@ -542,22 +510,22 @@ def check_checkpoint_matches(saved: dict, configured: dict, *, resuming: bool, o
     for key in sorted((set(mine) | set(theirs)) - ignore):
         if mine.get(key, "<unset>") != theirs.get(key, "<unset>"):
             diffs.append(f"model.{key}: checkpoint {theirs.get(key, '<unset>')!r}, config {mine.get(key, '<unset>')!r}")
+    data_diffs: set[str] = set()
     if not other_data and saved.get("data") is not None and configured["data"] is not None:
         mine, theirs = configured["data"], saved["data"]
         # a setting on one side only follows from one both hold (the partition scheme, a split's
         # fraction, the dataset), which is named
-        diffs += [f"data.{key}: checkpoint {theirs[key]!r}, config {mine[key]!r}"
-                  for key in sorted(set(mine) & set(theirs)) if mine[key] != theirs[key]]
+        data_diffs = {key for key in set(mine) & set(theirs) if mine[key] != theirs[key]}
+        diffs += [f"data.{key}: checkpoint {theirs[key]!r}, config {mine[key]!r}" for key in sorted(data_diffs)]
     if saved.get("problem") is not None and configured["problem"] is not None:
         for key, value in configured["problem"].items():
-            if saved["problem"].get(key) != value and f"data.{key}: " not in "".join(diffs):
+            if saved["problem"].get(key) != value and key not in data_diffs:  # named once
                 diffs.append(f"data {key}: checkpoint {saved['problem'].get(key)!r}, config {value!r}")
     if resuming and saved.get("federation") is not None:
         for key, value in configured["federation"].items():
             if saved["federation"].get(key, value) != value:
                 diffs.append(f"federation.{key}: checkpoint {saved['federation'][key]!r}, config {value!r}")
     if diffs:
-        other = " (--other_data=true loads it under other data settings on purpose)" if any(
-            diff.startswith("data.") for diff in diffs) else ""
+        other = " (--other_data=true loads it under other data settings on purpose)" if data_diffs else ""
         raise ValueError("the checkpoint does not match the config (" + "; ".join(diffs) + "): pass the "
                          f"config it was made with (its run folder's config.yaml), or fit afresh{other}")
