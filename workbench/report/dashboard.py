@@ -122,6 +122,13 @@ def comparable_key(run: Run) -> tuple:
     return (*(fields[name] for name in COMPARABLE), own)
 
 
+def family_key(key: tuple) -> tuple:
+    """A `comparable_key` without its partition: the settings the α figure draws as one line
+    across partitions."""
+    partition = COMPARABLE.index("partition")
+    return key[:partition] + key[partition + 1:]
+
+
 def best_round(run: Run) -> tuple[float, float]:
     """(best accuracy of the learning curve, the first round that reached it); NaNs without a curve."""
     curve = run.curve(curve_metric(run.protocol))
@@ -177,16 +184,18 @@ def build(runs: list[Run], metric: str = "test/acc", group_by: str = "method") -
     heads = sorted({key for run in done for row in run.rows for key in row if key.startswith("test/acc/")})
     settings = repeats(done)
     groups, group_of = comparable_groups(settings, metric)
+    setting_of = {id(run): f"s{i}" for i, same in enumerate(settings) for run in same}
     records = [run_record(f"r{i}", run, metric, heads) for i, run in enumerate(done)]
+    members: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for record, run in zip(records, done, strict=True):
-        record["setting"] = f"s{next(i for i, same in enumerate(settings) if run in same)}"
+        record["setting"] = setting_of[id(run)]
         record["group"] = record["values"]["group"] = group_of[record["setting"]]
+        members[record["setting"]].append(record)
     columns, constant = table_columns(records, metric, heads, several_groups=len(groups) > 1)
     shown_keys = {column["key"] for column in columns}
     for record in records:  # the page needs the values that tell runs apart, not every default
         record["values"] = {key: value for key, value in record["values"].items() if key in shown_keys}
-    rows = [table_row(f"s{i}", [r for r in records if r["setting"] == f"s{i}"], same[0].protocol, columns)
-            for i, same in enumerate(settings)]
+    rows = [table_row(f"s{i}", members[f"s{i}"], same[0].protocol, columns) for i, same in enumerate(settings)]
     for group in groups:
         group["fronts"] = fronts(group, {row["id"]: row for row in rows})
     return {
@@ -226,7 +235,7 @@ def comparable_groups(settings: list[list[Run]], metric: str) -> tuple[list[dict
     groups, group_of = [], {}
     for g, key in enumerate(keys):
         members = by_key[key]
-        family = (key[0], key[1], key[2], key[4], key[5])  # all but the partition: the α figure's lines
+        family = family_key(key)
         families.setdefault(family, f"F{len(families) + 1}")
         groups.append({"id": f"G{g + 1}", "label": names[g], "fields": dict(zip(COMPARABLE, key[:-1], strict=True)),
                        "score": score_metric(settings[members[0]][0].protocol, metric),
@@ -318,10 +327,7 @@ def alpha_lines(done: list[Run], metric: str, families: dict[tuple, str], group_
     values = [label_value(first[key].value_of(group_by)) for key in drawn]
     out = []
     for key, name, value in zip(drawn, told_apart(values, drawn), values, strict=True):
-        run = first[key]
-        fields = identity(run)
-        own = comparable_key(run)[-1]
-        family = families.get((fields["dataset"], fields["inputs"], fields["protocol"], fields["K"], own))
+        family = families.get(family_key(comparable_key(first[key])))
         points = []
         for alpha in sorted(lines[key]):
             mean, std, n = mean_std(lines[key][alpha])
