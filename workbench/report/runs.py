@@ -84,8 +84,9 @@ def _runner_alive(status: dict[str, Any]) -> bool:
     return _alive(runner["pid"])
 
 
-def _sweep_status(run_folder: Path) -> dict[str, Any]:
-    """The sweep runner's status.json of a run folder, or {}."""
+def _read_status(run_folder: Path) -> dict[str, Any]:
+    """A folder's status.json (the sweep runner's in a sweep run's folder, the command line's own
+    in a version folder), or {}."""
     path = run_folder / "status.json"
     try:
         return json.loads(path.read_text()) if path.exists() else {}
@@ -147,7 +148,7 @@ class Run:
         link = path / "wandb.json"
         if link.exists():
             run.wandb_id = str(json.loads(link.read_text()).get("id", ""))
-        own, sweep = _sweep_status(path), _sweep_status(path.parent)
+        own, sweep = _read_status(path), _read_status(path.parent)
         if any(key.startswith(FINISHED) for row in run.rows for key in row):
             if sweep.get("version") and Path(sweep["version"]).resolve() == path.resolve():
                 run.sweep_seconds = float(sweep.get("seconds", math.nan))
@@ -355,7 +356,7 @@ def find_runs(paths: list[str | Path]) -> list[Run]:
                     VERSION.fullmatch(candidate.name) and "wandb" not in candidate.parts):
                 folders.add(candidate.resolve())
             elif (candidate / "status.json").exists() and not any(candidate.glob("version_*")):
-                statuses[candidate.resolve()] = _sweep_status(candidate)
+                statuses[candidate.resolve()] = _read_status(candidate)
     if not folders and not statuses:
         raise ValueError(f"no runs (folders with a metrics.csv) in {', '.join(map(str, paths))}; "
                          "make some with `python -m workbench fit --config configs/X.yaml` or "
