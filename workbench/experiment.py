@@ -20,13 +20,12 @@ exclusively, so concurrent runs into one `--run_dir` never share one.
 from __future__ import annotations
 
 import contextlib
-import errno
 import inspect
 import io
+import json
 import logging
 import os
 import re
-import shutil
 import signal
 import sys
 import warnings
@@ -45,7 +44,7 @@ from workbench.engines import LightningEngine
 from workbench.engines.ddp import end_processes
 from workbench.engines.stopping import Stopping
 from workbench.federation import Federation
-from workbench.files import remove_orphaned_temporaries, replaced_atomically
+from workbench.files import NoRoom, out_of_room, remove_orphaned_temporaries, replaced_atomically, write_text_atomically
 from workbench.methods import FederatedMethod
 from workbench.runlog import finish_run, log_hparams, make_loggers, print_summary
 
@@ -65,12 +64,12 @@ class DirectCheckpointIO(TorchCheckpointIO):
         torch.save(checkpoint, path)
 
 
-def _out_of_room(error: BaseException) -> bool:
-    """A write that failed because its file system is full (torch's writer says so in its words)."""
-    if isinstance(error, OSError):
-        return error.errno in (errno.ENOSPC, errno.EDQUOT)
-    return isinstance(error, RuntimeError) and any(
-        words in str(error) for words in ("file write failed", "unexpected pos", "No space left"))
+def checkpoint_bytes(trainer, path: Path) -> int:
+    """About what writing `path` again takes: the previous file's size, else the model's tensors."""
+    if path.exists():
+        return path.stat().st_size
+    state = trainer.lightning_module.state_dict()
+    return sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
 
 
 def save_atomically(trainer, path: Path) -> None:
@@ -81,13 +80,11 @@ def save_atomically(trainer, path: Path) -> None:
         with replaced_atomically(path) as temporary:
             trainer.save_checkpoint(temporary, weights_only=False)  # the whole state: a fit resumes from it
     except (OSError, RuntimeError) as error:
-        if not _out_of_room(error):
+        if not out_of_room(error):
             raise
-        free = shutil.disk_usage(path.parent).free
         kept = f"; the previous {path.name} is intact" if path.exists() else ""
-        raise OSError(f"no room for {path.name} in {path.parent} ({free / 1e6:.1f} MB free): free some space "
-                      f"(the checkpoint needs about the model's size, and as much again while it is replaced){kept}"
-                      ) from None
+        # the new file is written beside the old one, so its whole size must be free
+        raise NoRoom(path.name, path.parent, checkpoint_bytes(trainer, path), "free some space" + kept) from None
 
 
 class RoundCheckpoint(Callback):
@@ -99,6 +96,7 @@ class RoundCheckpoint(Callback):
         self.folder, self.every_round = folder, every_round
         self.stopped_by: int | None = None
         self.path: Path | None = None
+        self.superseded: Path | None = None  # the resumed fit's source (`retire`)
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum: int, frame) -> None:
@@ -129,8 +127,24 @@ class RoundCheckpoint(Callback):
             os.kill(os.getpid(), getattr(signal, name if name.startswith("SIG") else "SIG" + name))
         if self.every_round or self.stopped_by is not None:
             save_atomically(trainer, self.path)
+            self.retire(trainer)
         if self.stopped_by is not None:
             trainer.should_stop = True
+
+    def retire(self, trainer) -> None:
+        """Once this fit's folder holds a checkpoint of its own, the interrupted fit's `last.ckpt`
+        it resumed from is removed (rank 0), and that folder's status.json says where the fit went
+        on: each resume would otherwise keep one more full checkpoint."""
+        source, self.superseded = self.superseded, None
+        if source is None or not trainer.is_global_zero:
+            return
+        source.unlink(missing_ok=True)
+        status = source.parent / "status.json"
+        record: dict = {}
+        with contextlib.suppress(OSError, ValueError):  # how it had ended (its command) is kept
+            record = json.loads(status.read_text())
+        record.update(status="continued", continued_in=str(self.path.parent))
+        write_text_atomically(status, json.dumps(record, indent=2) + "\n")
 
     def on_fit_end(self, trainer, pl_module) -> None:
         self._restore()
@@ -304,6 +318,10 @@ class WorkbenchCLI(LightningCLI):
         parser.add_argument("--other_data", type=bool, default=False,
                             help="with --ckpt_path: accept a checkpoint made under other data settings (dataset, "
                                  "partition, K, seeds, features, splits) on purpose; refused by default")
+        parser.add_argument("--keep_resumed_checkpoint", type=bool, default=False,
+                            help="with --ckpt_path: keep the interrupted fit's last.ckpt; by default it is removed "
+                                 "once this fit has written a checkpoint of its own (its status.json names where "
+                                 "the fit went on)")
         parser.add_argument("--checkpoint_every_round", type=bool, default=True,
                             help="replace the run folder's last.ckpt after every round (a fit stopped by "
                                  "SIGINT/SIGTERM writes it anyway); resume with `fit --ckpt_path last`")
@@ -355,6 +373,10 @@ class WorkbenchCLI(LightningCLI):
             if kwargs.get("ckpt_path") is not None:
                 kwargs.setdefault("weights_only", False)  # our own files (they hold the data's settings)
                 print(f"resuming from {kwargs['ckpt_path']}", file=sys.stderr)
+                source = Path(kwargs["ckpt_path"])
+                if (source.name == "last.ckpt" and re.fullmatch(r"version_\d+", source.parent.name)
+                        and not self._get(self.config, "keep_resumed_checkpoint", default=False)):
+                    self.round_checkpoint.superseded = source
             self.trainer.fit(model, datamodule=datamodule, **kwargs)
             return
         from workbench.engines.flower import simulation  # an optional extra: its import says how to install it
@@ -380,6 +402,8 @@ class WorkbenchCLI(LightningCLI):
         # fires: the fitted model is saved here, for `test --ckpt_path`.
         checkpoint = Path(self.trainer.log_dir) / "model.ckpt"
         save_atomically(self.trainer, checkpoint)
+        if stopper is not None:
+            stopper.retire(self.trainer)
         if self._get(self.config, "engine") != "flower":  # over Flower the test ran with the clients
             self.trainer.test(self.model, datamodule=self.datamodule, verbose=False)
         # Every process takes part (reading trainer.log_dir is a collective); only rank 0 prints.
@@ -432,6 +456,11 @@ def run(args: list[str] | None = None) -> WorkbenchCLI:
         )
     except BaseException as error:
         runlog.record_ending(error, WorkbenchParser.given[0])
+        if out_of_room(error) and not isinstance(error, NoRoom):  # a library's write: one line, not its traceback
+            written = getattr(error, "filename", None)  # torch's writer does not name its file
+            folder = Path(written).parent if written else runlog.claimed or WorkbenchParser.given[1]
+            raise NoRoom(Path(written).name if written else "the run's files", folder, None,
+                         "free some space; the run's last.ckpt, if it has one, is whole") from None
         raise
     finally:
         end_processes()  # with --trainer.strategy=ddp: before the interpreter's exit, not during it

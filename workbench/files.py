@@ -5,11 +5,17 @@ run never sees half of one. The temporary is named after the host and process th
 (`.<name>.<host>.<pid>.tmp`), so the next writer of the same folder removes what a killed
 process left behind; it is created with the usual permissions (the umask), so a cache folder
 shared by a group stays readable to the group.
+
+A full disk is one error naming the folder, the bytes needed and those free (`NoRoom`), checked
+before a large write where its size is known (`check_room`) and recognized after a failed one
+(`out_of_room`: the operating system's ENOSPC, or torch's writer saying it in its own words).
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
+import shutil
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,6 +44,37 @@ def remove_orphaned_temporaries(folder: Path) -> list[Path]:
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed
+
+
+class NoRoom(OSError):
+    """A write that the file system holding `folder` has no room for."""
+
+    def __init__(self, what: str, folder: Path, needed: int | None, fix: str) -> None:
+        free = shutil.disk_usage(existing_parent(folder)).free
+        size = f"{needed / 1e6:,.1f} MB needed, " if needed is not None else ""
+        super().__init__(errno.ENOSPC, f"no room for {what} in {folder} ({size}{free / 1e6:,.1f} MB free): {fix}")
+
+    def __str__(self) -> str:  # the message alone, without OSError's "[Errno 28]"
+        return str(self.strerror)
+
+
+def existing_parent(path: Path) -> Path:
+    """`path` itself, or the nearest of its parents that exists."""
+    return next(p for p in (path, *path.parents) if p.exists())
+
+
+def out_of_room(error: BaseException) -> bool:
+    """Whether a write failed because its file system is full."""
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(error, RuntimeError) and any(  # torch's archive writer
+        words in str(error) for words in ("file write failed", "unexpected pos", "No space left"))
+
+
+def check_room(folder: Path, needed: int, what: str, fix: str) -> None:
+    """NoRoom unless the file system holding `folder` has `needed` bytes free."""
+    if shutil.disk_usage(existing_parent(folder)).free < needed:
+        raise NoRoom(what, folder, needed, fix)
 
 
 @contextmanager

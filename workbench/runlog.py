@@ -13,7 +13,7 @@ from pathlib import Path
 from lightning.pytorch.loggers import CSVLogger, Logger
 
 from workbench.console import SWEEP_ENV
-from workbench.files import write_text_atomically
+from workbench.files import NoRoom, out_of_room, write_text_atomically
 from workbench.settings import init_arguments, plain
 from workbench.sync import wandb_configured
 
@@ -106,6 +106,9 @@ def record_ending(error: BaseException, argv: list[str]) -> None:
     written before a folder was claimed (the input was refused: nothing ran) or for a clean exit."""
     if claimed is None or not claimed.is_dir():
         return
+    if out_of_room(error) and not any(claimed.iterdir()):  # a full disk before anything was written
+        claimed.rmdir()
+        return
     if isinstance(error, SystemExit):
         code = error.code if isinstance(error.code, int) else int(error.code is not None)
         if code == 0:
@@ -119,7 +122,11 @@ def record_ending(error: BaseException, argv: list[str]) -> None:
     else:
         lines = [line for line in str(error).splitlines() if line.strip()]
         status = {"status": "failed", "error": f"{type(error).__name__}: {lines[-1] if lines else ''}".strip()}
-    write_text_atomically(claimed / "status.json", json.dumps({**status, "command": argv}, indent=2) + "\n")
+    try:
+        write_text_atomically(claimed / "status.json", json.dumps({**status, "command": argv}, indent=2) + "\n")
+    except OSError as full:
+        if not out_of_room(full):
+            raise
 
 
 def make_loggers(method, datamodule, *, run_dir: str, run_name: str | None, wandb_mode: str,
@@ -170,7 +177,13 @@ def log_hparams(trainer, engine, datamodule, engine_name: str = "lightning") -> 
                "sweep": sweep_name(),
                "run_folder": str(Path(log_dir).resolve()) if log_dir else None}
     for logger in trainer.loggers:
-        logger.log_hyperparams(hparams)
+        try:
+            logger.log_hyperparams(hparams)
+        except OSError as error:  # Lightning's writer leaves what it wrote of hparams.yaml
+            if not out_of_room(error) or log_dir is None:
+                raise
+            (Path(log_dir) / "hparams.yaml").unlink(missing_ok=True)
+            raise NoRoom("hparams.yaml", Path(log_dir), None, "free some space, or choose another --run_dir") from None
     run = _wandb_run(trainer)
     if run is not None and trainer.is_global_zero and log_dir is not None:
         link = {"id": run.id, "name": run.name, "project": run.project,

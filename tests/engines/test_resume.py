@@ -4,6 +4,7 @@ the same cumulative traffic. Each fit is a `python -m workbench fit` process on 
 from __future__ import annotations
 
 import csv
+import json
 import os
 import signal
 import subprocess
@@ -33,6 +34,7 @@ METHODS = {
     "scaffold_sampled": (["--model=SCAFFOLD", "--model.architecture=linear", "--model.sample_fraction=0.5"],
                          4, 4, "TERM", 1),
 }
+KEEPS = "osfed"  # its resume keeps the interrupted fit's last.ckpt (--keep_resumed_checkpoint)
 
 
 def start(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -72,7 +74,12 @@ def fits(tmp_path_factory):
     results = {name: {"whole": finish(p)} for name, p in whole.items()}
     for name, process in stopped.items():
         results[name]["stopped"] = finish(process)
-    resumed = {name: start(root / name / "parts", *settings, *rounds(total), "--ckpt_path=last")
+        interrupted = root / name / "parts" / "run" / "version_0" / "last.ckpt"
+        if interrupted.exists():  # (the resume below retires it)
+            saved = torch.load(interrupted, weights_only=False)
+            results[name]["stopped_after"] = int(saved["state_dict"]["method.rounds_done"])
+    resumed = {name: start(root / name / "parts", *settings, *rounds(total), "--ckpt_path=last",
+                           *(["--keep_resumed_checkpoint=true"] if name == KEEPS else []))
                for name, (settings, total, *_) in METHODS.items()}
     for name, process in resumed.items():
         results[name]["resumed"] = finish(process)
@@ -89,15 +96,20 @@ def test_an_interrupted_fit_resumed_gives_the_same_model_and_traffic(fits, name)
     assert code == 128 + getattr(signal, f"SIG{sig}"), out
     assert f"stopped after round {after}" in out and "--ckpt_path last" in out
     interrupted = root / name / "parts" / "run" / "version_0"
-    assert (interrupted / "last.ckpt").exists() and not (interrupted / "model.ckpt").exists()
-    saved = torch.load(interrupted / "last.ckpt", weights_only=False)
-    assert int(saved["state_dict"]["method.rounds_done"]) == after
+    assert results[name]["stopped_after"] == after and not (interrupted / "model.ckpt").exists()
     assert not [p for p in interrupted.iterdir() if p.name.endswith(".tmp")]  # written by rename only
     code, out = results[name]["resumed"]
     assert code == 0, out
     assert f"resuming from {interrupted / 'last.ckpt'}" in out
     whole = root / name / "whole" / "run" / "version_0"
     resumed = root / name / "parts" / "run" / "version_1"
+    # the resumed fit's own checkpoints retire the one it came from (unless asked to keep it), and
+    # the interrupted folder says where the fit went on
+    assert (interrupted / "last.ckpt").exists() == (name == KEEPS)
+    status = json.loads((interrupted / "status.json").read_text())
+    assert status["status"] == ("stopped" if name == KEEPS else "continued"), status
+    if name != KEEPS:
+        assert status["continued_in"] == str(resumed) and status["command"]  # (the stop's own record kept)
     expected, got = state(whole), state(resumed)
     assert expected.keys() == got.keys()
     for key in expected:

@@ -446,7 +446,7 @@ class FederatedDataModule(LightningDataModule):
     def _backbone_features(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         from workbench.backbones import build_backbone
         from workbench.backbones.layers import with_layers
-        from workbench.data.features import cached_features
+        from workbench.data.features import cached_features, check_cache_room
         from workbench.data.registry import dataset_modality
 
         args = self.args
@@ -460,14 +460,14 @@ class FederatedDataModule(LightningDataModule):
                                   max_length=args.max_length, pooling=args.pooling)
         backbone = with_layers(backbone, args.feature_layers)
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        where = dict(cache_dir=args.cache_dir, dataset=data.name if args.dataset == "hf" else args.dataset,
+                     source=data.source, precision=args.precision)
+        check_cache_room(backbone, {"train": data.train.labels, "test": data.test.labels}, **where)
         splits = []
         for split_name, split in (("train", data.train), ("test", data.test)):
             inputs = split.texts if kind == "text" else split.images
-            features = cached_features(backbone, inputs, split.labels, cache_dir=args.cache_dir,
-                                       dataset=data.name if args.dataset == "hf" else args.dataset,
-                                       split=split_name, source=data.source,
-                                       batch_size=args.extract_batch_size, device=device,
-                                       precision=args.precision)
+            features = cached_features(backbone, inputs, split.labels, split=split_name,
+                                       batch_size=args.extract_batch_size, device=device, **where)
             splits += [features, split.labels]
         return tuple(splits)
 

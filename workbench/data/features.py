@@ -12,6 +12,10 @@ the features silently. A damaged file is rebuilt with a warning naming it. xxh3 
 fast enough to check on every hit: on a 496 MB cache it adds 17 ms to a 272 ms `torch.load`
 (6 %), where blake2b would add 171 % (benchmarks/results/cache_digest.md).
 
+A full disk is found before the extraction: `check_cache_room` compares the bytes the missing
+files will take with the folder's free space (the data module calls it before its first
+extraction, and so before the run folder exists).
+
 Precision: the forward runs in float32, or with `precision="bf16"` under bfloat16 autocast
 (convolutions and matrix products in bfloat16, other ops as torch.autocast decides); features
 are stored float32 either way. bf16 is not the default: on CPUs without native bfloat16
@@ -40,7 +44,7 @@ import xxhash
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from workbench.files import replaced_atomically
+from workbench.files import NoRoom, check_room, existing_parent, out_of_room, replaced_atomically
 
 CACHE_FORMAT = 1  # bump when the file layout or the preprocessing changes
 PRECISIONS = ("float32", "bf16")
@@ -244,7 +248,7 @@ def check_writable(cache_dir: str | Path, dataset: str) -> None:
     features of the dataset passes (which ones is known only once the backbone is built; a
     missing file then fails before its extraction)."""
     folder = Path(cache_dir).expanduser() / _safe(dataset)
-    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    existing = existing_parent(folder)
     try:  # a nameless file, gone when closed: the honest test (os.access trusts root, not mounts)
         tempfile.TemporaryFile(dir=existing).close()
     except OSError as error:
@@ -285,13 +289,14 @@ def transform_fields(backbone) -> dict:
             "resize": "bilinear-antialias", "gray": "repeat-3"}
 
 
-def cached_features(backbone, inputs: Tensor | Sequence[str], labels: Tensor, *,
-                    cache_dir: str | Path, dataset: str, split: str, source: str,
-                    batch_size: int = 256, device: str = "cpu", precision: str = "float32") -> Tensor:
-    """Features of `inputs` from the cache, extracting and storing them when absent.
+def feature_file_bytes(num_samples: int, feature_dim: int) -> int:
+    """What one cache file takes on disk: float32 features, int64 labels and the archive's few kB."""
+    return num_samples * (4 * feature_dim + 8) + (1 << 16)
 
-    inputs: uint8 images (N, ...) for an image backbone, N strings for a text backbone.
-    """
+
+def cache_file(backbone, labels: Tensor, *, cache_dir: str | Path, dataset: str, split: str, source: str,
+               precision: str = "float32") -> tuple[str, Path]:
+    """The key of these features and the file that holds (or will hold) them."""
     fields = dict(dataset=dataset, source=source, split=split, num_samples=len(labels),
                   backbone=backbone.name, weights=backbone.weights_id,
                   transform=transform_fields(backbone))
@@ -300,7 +305,34 @@ def cached_features(backbone, inputs: Tensor | Sequence[str], labels: Tensor, *,
     if getattr(backbone, "feature_layers", ()):
         fields["layers"] = list(backbone.feature_layers)
     key = cache_key(**fields)
-    path = cache_path(cache_dir, dataset, split, backbone.name, key)
+    return key, cache_path(cache_dir, dataset, split, backbone.name, key)
+
+
+def check_cache_room(backbone, splits: dict[str, Tensor], *, cache_dir: str | Path, dataset: str,
+                     source: str, precision: str = "float32") -> None:
+    """Before any extraction: NoRoom unless the cache folder has room for the features of every
+    split ({name: labels}) it does not hold yet, so a full disk is known before hours of work."""
+    missing = {name: labels for name, labels in splits.items()
+               if not cache_file(backbone, labels, cache_dir=cache_dir, dataset=dataset, split=name,
+                                 source=source, precision=precision)[1].exists()}
+    if missing:
+        needed = sum(feature_file_bytes(len(labels), backbone.feature_dim) for labels in missing.values())
+        check_room(Path(cache_dir).expanduser() / _safe(dataset), needed,
+                   f"the {backbone.name} features of {dataset} ({', '.join(missing)})",
+                   "free some space, or set data.cache_dir to a folder with room")
+
+
+def cached_features(backbone, inputs: Tensor | Sequence[str], labels: Tensor, *,
+                    cache_dir: str | Path, dataset: str, split: str, source: str,
+                    batch_size: int = 256, device: str = "cpu", precision: str = "float32") -> Tensor:
+    """Features of `inputs` from the cache, extracting and storing them when absent.
+
+    inputs: uint8 images (N, ...) for an image backbone, N strings for a text backbone. When the
+    disk fills up during the extraction (`check_cache_room` found room before it), the features
+    are used from memory this once, with a warning, instead of being lost.
+    """
+    key, path = cache_file(backbone, labels, cache_dir=cache_dir, dataset=dataset, split=split, source=source,
+                           precision=precision)
     if path.exists():
         try:
             features, checked = _read(path, key, labels, backbone.feature_dim)
@@ -311,10 +343,18 @@ def cached_features(backbone, inputs: Tensor | Sequence[str], labels: Tensor, *,
             warnings.warn(f"feature cache {path} is corrupt or mismatched ({why}); rebuilding it",
                           stacklevel=2)
     extract = extract_text_features if is_text_backbone(backbone) else extract_features
-    with replaced_atomically(path) as temporary:  # (its folder is made; check_writable ran first)
-        _claim(temporary)
-        features = extract(backbone, inputs, batch_size, device, desc=f"{dataset}/{split}", precision=precision)
-        _save(_blob(key, features, labels.clone()), temporary)
+    features = None
+    try:
+        with replaced_atomically(path) as temporary:  # (its folder is made; check_writable ran first)
+            _claim(temporary)
+            features = extract(backbone, inputs, batch_size, device, desc=f"{dataset}/{split}", precision=precision)
+            _save(_blob(key, features, labels.clone()), temporary)
+    except (OSError, RuntimeError) as error:
+        if features is None or not out_of_room(error):
+            raise
+        needed = feature_file_bytes(len(labels), backbone.feature_dim)
+        warnings.warn(f"{NoRoom(path.name, path.parent, needed, 'free some space to cache them')}; the "
+                      "features just extracted are used from memory for this run", stacklevel=2)
     return features
 
 

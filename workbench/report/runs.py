@@ -125,7 +125,8 @@ class Run:
     config: dict[str, Any] = field(default_factory=dict)
     rows: list[dict[str, float]] = field(default_factory=list)
     per_client_acc: list[float] | None = None
-    # done, failed, running, stopped, superseded (an earlier attempt of a sweep run), re-evaluation
+    # done, failed, running, stopped, superseded (an earlier attempt of a sweep run, or an interrupted
+    # fit resumed in a later version folder), re-evaluation
     # (`test --ckpt_path` of a fitted model: no round ran), or incomplete (no test, no status.json)
     status: str = "done"
     error: str = ""  # the last line of a failed run's error
@@ -157,6 +158,9 @@ class Run:
             return run
         if own.get("status") in ("failed", "stopped"):  # the command line's record of how it ended
             run.status, run.error = own["status"], _last_line(own.get("error", ""))
+        elif own.get("status") == "continued":  # a resumed fit went on in a later version folder
+            run.status = "superseded"
+            run.error = f"interrupted; resumed in {Path(own.get('continued_in', '?')).name}"
         elif sweep.get("status") == "done":  # the sweep re-ran it: this is an earlier attempt
             run.status = "superseded"
             run.error = f"an earlier attempt; the sweep's {Path(sweep.get('version', '?')).name} finished"
