@@ -1,10 +1,19 @@
-"""Linear-algebra helpers shared by the analytic methods."""
+"""Linear-algebra helpers shared by the analytic methods, and the seeded draws of their random maps."""
 from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import torch
 from torch import Tensor
+
+
+def stream_generator(seed: int, stream: int) -> torch.Generator:
+    """The CPU generator of random stream `stream` of `seed` (numpy's SeedSequence of the pair):
+    the same numbers on every machine, and the streams of one seed independent of each other. A
+    random map drawn from it is rebuilt from its seed alone (8 bytes on the wire, never the matrix)."""
+    state = int(np.random.SeedSequence([seed, stream]).generate_state(1, np.uint64)[0])
+    return torch.Generator().manual_seed(state)
 
 
 def identity_like(gram: Tensor) -> Tensor:

@@ -26,8 +26,10 @@ from workbench.methods import (
     AnaPFL,
     DeepAFL,
     Ditto,
+    Fed3R,
     FedAvg,
     FedAvgM,
+    FedNCM,
     FedProx,
     LocalOnly,
     SAFLe,
@@ -40,6 +42,9 @@ GRADIENT = dict(num_rounds=3, architecture="mlp", hidden_dim=8, seed=3, local=Lo
 # name -> (a fresh method, tolerance of its final model)
 METHODS = {
     "AFL": (lambda: AFL(gamma=1.0, gamma_out=0.1), 1e-8),
+    "Fed3R": (lambda: Fed3R(ridge=0.1), 1e-8),
+    "Fed3R-RF": (lambda: Fed3R(ridge=0.1, random_features=16, seed=4), 1e-8),  # the seed broadcast
+    "FedNCM": (lambda: FedNCM(temperature=2.0), 1e-8),
     "DeepAFL": (lambda: DeepAFL(num_layers=2, hidden_dim=16, block_dim=12, seed=1, schedule="two_round"), 1e-8),
     "DeepAFL-fused": (lambda: DeepAFL(num_layers=2, hidden_dim=16, block_dim=12, seed=1, schedule="fused"), 1e-8),
     "SAFLe": (lambda: SAFLe(levels=2, group_size=2, experts=16, thresholds="calibrated"), 1e-8),

@@ -4,13 +4,15 @@ from workbench.methods.anapfl import AnaPFL
 from workbench.methods.base import ClientHalf, Cohort, FederatedMethod, Problem, RoundPlan, Upload
 from workbench.methods.deepafl import DeepAFL
 from workbench.methods.ditto import Ditto
+from workbench.methods.fed3r import Fed3R
 from workbench.methods.fedavg import FedAvg, FedProx
 from workbench.methods.fedavgm import FedAvgM
+from workbench.methods.fedncm import FedNCM
 from workbench.methods.ghofl import GHOFL
 from workbench.methods.local_only import LocalOnly
 from workbench.methods.osfed import OSFED
 from workbench.methods.safle import SAFLe
 from workbench.methods.scaffold import SCAFFOLD
 
-__all__ = ["AFL", "GHOFL", "OSFED", "SCAFFOLD", "AnaPFL", "ClientHalf", "Cohort", "DeepAFL", "Ditto", "FedAvg",
-           "FedAvgM", "FedProx", "FederatedMethod", "LocalOnly", "Problem", "RoundPlan", "SAFLe", "Upload"]
+__all__ = ["AFL", "GHOFL", "OSFED", "SCAFFOLD", "AnaPFL", "ClientHalf", "Cohort", "DeepAFL", "Ditto", "Fed3R", "FedAvg",
+           "FedAvgM", "FedNCM", "FedProx", "FederatedMethod", "LocalOnly", "Problem", "RoundPlan", "SAFLe", "Upload"]

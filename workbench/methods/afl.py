@@ -106,6 +106,7 @@ class AFL(FederatedMethod):
     """
 
     uploads = MappingProxyType({"gram": SYMMETRIC, "cross": SUMMED, **SELECTION_UPLOADS})
+    ridge_setting = "gamma_out"  # the setting of the final solve's ridge, named in its errors
 
     def __init__(self, gamma: float = 1.0, gamma_out: float = 0.0, bias: bool = False,
                  dtype: str = "float64", gamma_grid: Sequence[float] | None = None, holdout_fraction: float = 0.1,
@@ -190,13 +191,14 @@ class AFL(FederatedMethod):
     def solve(self) -> Tensor:
         """W = (G + γ_out I)⁻¹ H from the pooled statistics: (d [+1], C)."""
         gram = self.pooled_gram + float(self.selected_gamma_out) * identity_like(self.pooled_gram)
-        sigma = self.federation.dp_sigma
+        sigma, name = self.federation.dp_sigma, type(self).__name__
         if sigma > 0 and int(torch.linalg.cholesky_ex(gram).info) != 0:
             raise ValueError(
-                f"AFL's aggregated Gram matrix is indefinite after the differential-privacy noise "
-                f"(federation.dp_sigma = {sigma:g}): set model.gamma_out ≥ {safe_ridge(sigma, len(gram)):.4g} "
-                f"(σ(2√d + 8), above the noise's most negative eigenvalue), which keeps it positive definite")
-        return solve_spd(gram, self.pooled_cross, what="AFL's aggregated Gram matrix")
+                f"{name}'s aggregated Gram matrix is indefinite after the differential-privacy noise "
+                f"(federation.dp_sigma = {sigma:g}): set model.{self.ridge_setting} ≥ "
+                f"{safe_ridge(sigma, len(gram)):.4g} (σ(2√d + 8), above the noise's most negative eigenvalue), "
+                "which keeps it positive definite")
+        return solve_spd(gram, self.pooled_cross, what=f"{name}'s aggregated Gram matrix")
 
     def add_clients(self, uploads: dict[str, Tensor], num_clients: int) -> None:
         """Add m = `num_clients` clients to the fitted model and re-solve (equals a refit with them).

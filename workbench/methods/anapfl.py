@@ -58,12 +58,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
-import numpy as np
 import torch
 import torch.nn.functional as nnf
 from torch import Tensor
 
-from workbench.linalg import grouped_matmul, grouped_ridge
+from workbench.linalg import grouped_matmul, grouped_ridge, stream_generator
 from workbench.methods.afl import AFL, AFLClient
 from workbench.methods.base import SUMMED, SYMMETRIC, Cohort, Metrics, Problem, Uploads
 from workbench.methods.ridge_selection import client_holdout, holdout_seed  # noqa: F401 (holdout_seed: re-exported)
@@ -76,9 +75,7 @@ def gaussian_projection(seed: int, stream: int, fan_in: int, fan_out: int, dtype
 
     `stream` separates the projections drawn from one seed (0: P_g, 1: P_l).
     """
-    state = int(np.random.SeedSequence([seed, stream]).generate_state(1, np.uint64)[0])
-    generator = torch.Generator().manual_seed(state)
-    return torch.randn(fan_in, fan_out, generator=generator, dtype=dtype) / fan_in ** 0.5
+    return torch.randn(fan_in, fan_out, generator=stream_generator(seed, stream), dtype=dtype) / fan_in ** 0.5
 
 
 class AnaPFLClient(AFLClient):

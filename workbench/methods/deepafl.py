@@ -85,12 +85,11 @@ import math
 from collections.abc import Mapping
 from types import MappingProxyType
 
-import numpy as np
 import torch
 import torch.nn.functional as nnf
 from torch import Tensor, nn
 
-from workbench.linalg import class_sums, identity_like, solve_spd
+from workbench.linalg import class_sums, identity_like, solve_spd, stream_generator
 from workbench.methods.base import (
     SUMMED,
     SYMMETRIC,
@@ -122,8 +121,7 @@ def random_layer(seed: int, layer: int, fan_in: int, fan_out: int,
     float32 draw from the same generator gives other numbers, so float32 would be another random
     model than float64 rather than the same model in less precision.
     """
-    layer_seed = int(np.random.SeedSequence([seed, layer]).generate_state(1, np.uint64)[0])
-    generator = torch.Generator().manual_seed(layer_seed)
+    generator = stream_generator(seed, layer)
     bound = fan_in ** -0.5
     weight = (2 * torch.rand(fan_in, fan_out, generator=generator, dtype=torch.float64) - 1) * bound
     bias = (2 * torch.rand(fan_out, generator=generator, dtype=torch.float64) - 1) * bound
