@@ -2,7 +2,9 @@
 
 Each command imports only what it needs: the list of commands answers without torch or
 Lightning, `sweep`, `compare` and `list` have parsers of their own, and `fit|validate|test`
-start Lightning's. A wrong input (a setting, a file, a missing extra) ends in a few lines naming
+start Lightning's, once `workbench.command_line` has checked what it can without it (a missing or
+broken config, an unknown method or choice, a missing checkpoint: refused in a fraction of a
+second). A wrong input (a setting, a file, a missing extra) ends in a few lines naming
 the fix and exit status 2; `--debug` shows its traceback instead.
 """
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 import sys
 from importlib import import_module
 
+from workbench.command_line import check
 from workbench.console import COMMANDS, DEBUG_ENV, DEBUG_FLAG, print_user_error, usage, user_error
 
 # Subcommands with parsers of their own; Lightning is not imported for them.
@@ -34,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if command in TOOLS:
             return import_module(TOOLS[command]).main(args[1:])
+        refused = check(args)  # a user error seen without importing Lightning: its lines now
+        if refused is not None:
+            print(refused, file=sys.stderr)
+            return 2
         from workbench.cli import main as lightning_main
 
         lightning_main(args)

@@ -103,6 +103,14 @@ def closest(name: str, options: list[str], cutoff: float = 0.6) -> list[str]:
     return [lowered[match] for match in difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=cutoff)]
 
 
+def unknown_class_message(key: str, name: str, choices: list[str]) -> str:
+    """`--model`/`--data` (`key`) naming no class among `choices`: the choices and the closest."""
+    kind = "method" if key == "model" else "data module"
+    close = closest(name, choices, cutoff=0.5)
+    return (f"unknown {kind} {name!r} (--{key}); choose one of: {', '.join(choices)}"
+            + (f" (did you mean {close[0]!r}?)" if close else ""))
+
+
 def condense_parse_error(message: str, choices: dict[str, list[str]], describe, given=None) -> str:
     """A config error in a few lines. `choices` names the classes each of `model`/`data` accepts;
     `describe(class_path)` gives a class's setting names and its moved ones ({old: new key}), for
@@ -112,10 +120,7 @@ def condense_parse_error(message: str, choices: dict[str, list[str]], describe, 
     unknown = _UNKNOWN_CLASS.search(message)
     if unknown:
         key, name = unknown.groups()
-        kind = "method" if key == "model" else "data module"
-        close = closest(name, choices[key], cutoff=0.5)
-        return (f"unknown {kind} {name!r} (--{key}); choose one of: {', '.join(choices[key])}"
-                + (f" (did you mean {close[0]!r}?)" if close else ""))
+        return unknown_class_message(key, name, choices[key])
     option, group = _UNKNOWN_OPTION.search(message), _NOT_A_GROUP.search(message)
     if option or group:
         class_path, name = (option or group).groups()

@@ -38,6 +38,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from workbench import runlog
 from workbench.catalog import method_classes
+from workbench.command_line import config_files, missing_checkpoint, usage_line, yaml_error
 from workbench.console import DEBUG_ENV, condense_parse_error
 from workbench.data import FederatedDataModule
 from workbench.engines import LightningEngine
@@ -193,33 +194,6 @@ def _describe(class_path: str) -> tuple[list[str], dict[str, str]]:
     return names, moved
 
 
-def _config_files(args: list[str], cwd: Path) -> list[Path]:
-    """The `--config` files of a command line run in `cwd`, in order."""
-    files = []
-    for i, arg in enumerate(args):
-        if (arg in ("--config", "-c") and i + 1 < len(args)) or arg.startswith("--config="):
-            files.append(Path(os.path.normpath(cwd / (args[i + 1] if "=" not in arg else arg.split("=", 1)[1]))))
-    return files
-
-
-def _yaml_error(args: list[str], cwd: Path) -> str | None:
-    """The first `--config` file that is not valid YAML, with where (the parser's own message
-    names a "<unicode string>", not the file), or None."""
-    import yaml
-
-    for path in _config_files(args, cwd):
-        try:
-            yaml.safe_load(path.read_text())
-        except OSError:
-            continue
-        except yaml.YAMLError as error:
-            mark = getattr(error, "problem_mark", None)
-            where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-            return f"{path} is not valid YAML{where}: {problem}"
-    return None
-
-
 def _model_settings(args: list[str], cwd: Path) -> dict[str, object]:
     """The model settings a command line run in `cwd` gives, by top-level key: `--model.KEY=VALUE`
     flags (a nested `--model.KEY.SUB=...` gives a dict) and the keys under `model:` (or its
@@ -227,7 +201,7 @@ def _model_settings(args: list[str], cwd: Path) -> dict[str, object]:
     import yaml
 
     given: dict[str, object] = {}
-    for path in _config_files(args, cwd):
+    for path in config_files(args, cwd):
         try:
             model = (yaml.safe_load(path.read_text()) or {}).get("model") or {}
         except (OSError, yaml.YAMLError, AttributeError):
@@ -258,9 +232,8 @@ class WorkbenchParser(LightningArgumentParser):
         command = command if command in ("fit", "validate", "test") else "<command>"
         choices = {"model": [cls.__name__ for cls in method_classes()], "data": ["FederatedDataModule"]}
         if "<unicode string>" in message:
-            message = _yaml_error(*WorkbenchParser.given) or message
-        print(f"usage: python -m workbench {command} --config FILE [--key=value ...]   "
-              f"(python -m workbench {command} --help lists the keys)\n"
+            message = yaml_error(*WorkbenchParser.given) or message
+        print(f"{usage_line(command)}\n"
               f"error: {condense_parse_error(message, choices, _describe, _model_settings(*WorkbenchParser.given))}",
               file=sys.stderr)
         raise SystemExit(2)
@@ -282,10 +255,9 @@ class WorkbenchCLI(LightningCLI):
         parser.add_lightning_class_args(self._datamodule_class, "data", subclass_mode=self.subclass_mode_data)
 
     def instantiate_classes(self) -> None:
-        ckpt_path = self._get(self.config, "ckpt_path")
-        if ckpt_path not in (None, "last", "best", "hpc", "registry") and not Path(ckpt_path).is_file():
-            raise FileNotFoundError(f"no checkpoint at --ckpt_path={ckpt_path}: pass a run's model.ckpt or last.ckpt "
-                                    "(runs/<run name>/version_N/), or `last` to resume this run name's newest fit")
+        missing = missing_checkpoint(self._get(self.config, "ckpt_path"))
+        if missing is not None:
+            raise FileNotFoundError(missing)
         self.config_init = self.parser.instantiate(self.config)
         self.datamodule = self._get(self.config_init, "data")
         self.method = self._get(self.config_init, "model")
