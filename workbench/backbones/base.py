@@ -18,8 +18,12 @@ from torch import nn
 RGB = tuple[float, float, float]
 
 
-class BackboneWeightsError(RuntimeError):
-    """Weights for a backbone could not be found, read, fetched or matched to its architecture."""
+class BackboneWeightsError(RuntimeError, OSError):
+    """Weights for a backbone could not be found, read, fetched or matched to its architecture.
+
+    An OSError too, like the missing-file errors of huggingface_hub and transformers, so that the
+    command line reports it as a wrong input (its message, exit status 2), not as a bug.
+    """
 
 
 @dataclass(frozen=True)

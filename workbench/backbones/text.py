@@ -12,8 +12,9 @@ Two kinds of text backbone:
   library; a test checks the features against `SentenceTransformer.encode`.
 - `gpt2` (and `distilgpt2`, `gpt2-medium`, `gpt2-large`, `gpt2-xl`): a causal LM's last hidden
   states, pooled by an attention-masked mean (default) or the last real token (`pooling: last`,
-  the one position that has attended to the whole text). Weights come from the Hugging Face hub,
-  or from a local directory saved with `save_pretrained` (model and tokenizer) as `weights_path`.
+  the one position that has attended to the whole text). Weights come from the Hugging Face hub
+  (through its local cache, HF_HUB_CACHE, which works offline once filled), or from a local
+  directory saved with `save_pretrained` (model and tokenizer) as `weights_path`.
 
 A text backbone's `weights_path` is a model directory, not a file. Weights that cannot be loaded
 raise BackboneWeightsError naming `weights_path`; there is no silent random fallback.
@@ -23,6 +24,7 @@ weights from a seeded random init.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Sequence
@@ -34,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from workbench.backbones.base import BackboneWeightsError, random_init_id, seeded
+from workbench.backbones.hub import hub_access, not_cached_message, short_error
 from workbench.backbones.registry import register_backbone
 from workbench.backbones.weights import file_weights_id
 
@@ -181,15 +184,34 @@ def tokenizer_id(tokenizer: Any) -> str:
     return f"tokenizer-sha256:{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
-def load_tokenizer(source: str | Path, name: str, what_to_do: str) -> Any:
+def load_failure(part: str, name: str, source: str | Path, error: BaseException, what_to_do: str,
+                 offline: str | None) -> BackboneWeightsError:
+    """The error for `part` ("tokenizer", "weights") of `name` that failed to load from `source`.
+
+    Offline (`offline` says why), a hub repo's missing files get the cache folder and how to fill
+    it; otherwise the first line of `error` and `what_to_do`.
+    """
+    if offline and isinstance(source, str) and isinstance(error, OSError):  # not in the hub cache
+        return BackboneWeightsError(not_cached_message(
+            f"the {part} of '{name}'", source, offline,
+            download=f"AutoModel.from_pretrained('{source}') and AutoTokenizer.from_pretrained("
+                     f"'{source}')",
+            fix="save both there with save_pretrained(DIR) and pass weights_path: DIR "
+                "(data.weights_path)"))
+    return BackboneWeightsError(f"the {part} of '{name}' could not be loaded from '{source}' "
+                                f"({short_error(error)}); {what_to_do}")
+
+
+def load_tokenizer(source: str | Path, name: str, what_to_do: str,
+                   offline: str | None = None) -> Any:
+    """A fast tokenizer from a model directory (Path) or a hub repo id (str); `offline`: why the
+    hub is not asked (`workbench.backbones.hub.hub_access`), for the error message."""
     transformers = _transformers()
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(
             str(source), local_files_only=isinstance(source, Path))
     except Exception as err:
-        raise BackboneWeightsError(
-            f"the tokenizer of '{name}' could not be loaded from '{source}' "
-            f"({type(err).__name__}: {err}); {what_to_do}") from err
+        raise load_failure("tokenizer", name, source, err, what_to_do, offline) from err
     tokenizer.padding_side = tokenizer.truncation_side = "right"
     if tokenizer.pad_token is None:  # GPT-2 has none; padded positions are masked out anyway
         tokenizer.pad_token = tokenizer.eos_token
@@ -197,11 +219,12 @@ def load_tokenizer(source: str | Path, name: str, what_to_do: str) -> Any:
 
 
 def load_net(source: str | Path, name: str, pretrained: bool, seed: int,
-             what_to_do: str) -> tuple[nn.Module, str]:
+             what_to_do: str, offline: str | None = None) -> tuple[nn.Module, str]:
     """The transformer without its task head, and its weights id.
 
-    `source` is a local directory (Path) or a hub repo id (str). Not pretrained: the source's
-    config, randomly initialised under `seed`.
+    `source` is a local directory (Path) or a hub repo id (str; from the hub cache, downloaded
+    there when the hub is reachable). Not pretrained: the source's config, randomly initialised
+    under `seed`. `offline`: as for `load_tokenizer`.
     """
     transformers = _transformers()
     local = isinstance(source, Path)
@@ -215,13 +238,21 @@ def load_net(source: str | Path, name: str, pretrained: bool, seed: int,
     except BackboneWeightsError:
         raise
     except Exception as err:  # offline hub, missing or corrupt files, an unknown architecture
-        raise BackboneWeightsError(
-            f"the weights of '{name}' could not be loaded from '{source}' "
-            f"({type(err).__name__}: {err}); {what_to_do}") from err
-    if local:
+        raise load_failure("weights", name, source, err, what_to_do, offline) from err
+    if isinstance(source, Path):
         return net, dir_weights_id(source)
-    commit = getattr(net.config, "_commit_hash", None)
+    # transformers 4 records the commit it loaded in the config; 5 no longer does, and the
+    # commit is then the cache's snapshot that main points to (the one from_pretrained read).
+    commit = getattr(net.config, "_commit_hash", None) or cached_commit(source)
     return net, f"hf:{source}@{commit}" if commit else f"hf:{source}"
+
+
+def cached_commit(repo_id: str) -> str | None:
+    """The commit of the hub cache's snapshot of `repo_id` that `main` refers to, if cached."""
+    from huggingface_hub import try_to_load_from_cache
+
+    config = try_to_load_from_cache(repo_id, "config.json")
+    return Path(config).parent.name if isinstance(config, str) else None
 
 
 def check_pooling(name: str, pooling: str, poolings: tuple[str, ...]) -> str:
@@ -292,8 +323,10 @@ def build_gpt2(name: str, *, pretrained: bool, weights_path: str | None, seed: i
         f"'{hub_id}').save_pretrained(DIR) and AutoTokenizer likewise) and pass weights_path: DIR"
         if weights_path is None else
         f"point weights_path at a directory saved with save_pretrained from a '{name}' model")
-    tokenizer = load_tokenizer(source, name, what_to_do)
-    net, weights_id = load_net(source, name, pretrained, seed, what_to_do)
+    # A hub id loads through the Hugging Face cache; an unreachable hub fails at once.
+    with hub_access() if weights_path is None else contextlib.nullcontext() as offline:
+        tokenizer = load_tokenizer(source, name, what_to_do, offline)
+        net, weights_id = load_net(source, name, pretrained, seed, what_to_do, offline)
     if net.config.model_type != "gpt2":
         raise BackboneWeightsError(
             f"weights_path '{weights_path}' holds a '{net.config.model_type}' model, which does "

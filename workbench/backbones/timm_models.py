@@ -8,9 +8,11 @@ protocol (timm's ViT default today, pinned so a changed default cannot switch to
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import timm
+import torch
 from timm.data import resolve_data_config
 from timm.models import get_pretrained_cfg, split_model_name_tag
 from torch import nn
@@ -22,6 +24,7 @@ from workbench.backbones.base import (
     random_init_id,
     seeded,
 )
+from workbench.backbones.hub import hub_access, hub_cache_dir, not_cached_message, short_error
 from workbench.backbones.weights import (
     file_weights_id,
     load_backbone_weights,
@@ -54,22 +57,46 @@ def timm_create_kwargs(name: str) -> dict[str, Any]:
 def create_timm_net(name: str, seed: int, hub_weights: bool = False, **kwargs: Any) -> nn.Module:
     """Creates `name` with `num_classes=0`, initialised under `seed`, global RNG untouched.
 
-    With `hub_weights` the pretrained weights are fetched through timm (Hugging Face hub or URL);
-    any failure raises BackboneWeightsError rather than falling back to random weights.
+    With `hub_weights` the pretrained weights are loaded by timm itself: from the Hugging Face
+    hub cache (HF_HUB_CACHE; downloaded there when the hub is reachable) for tags with an
+    `hf_hub_id`, else from the tag's URL through torch's hub cache. Any failure raises
+    BackboneWeightsError naming the tag and the cache folder, rather than falling back to random
+    weights; an unreachable hub fails at once (`workbench.backbones.hub.hub_access`).
     """
     kwargs = {"num_classes": 0, **timm_create_kwargs(name), **kwargs}
     with seeded(seed):
         if not hub_weights:
             return timm.create_model(name, pretrained=False, **kwargs)
-        try:
-            return timm.create_model(name, pretrained=True, **kwargs)
-        except Exception as err:  # offline hub, missing cache, HTTP errors, no weights for the tag
-            raise BackboneWeightsError(
-                f"pretrained weights for '{name}' could not be fetched from the timm hub "
-                f"({type(err).__name__}: {err}). Download them once where there is network access "
-                f"and pass weights_path: /path/to/weights, or set pretrained: false for a "
-                f"random-init smoke test."
-            ) from err
+        with hub_access() as offline:
+            try:
+                return timm.create_model(name, pretrained=True, **kwargs)
+            except Exception as err:  # not cached offline, HTTP errors, no weights for the tag
+                raise BackboneWeightsError(hub_failure_message(name, err, offline)) from err
+
+
+def hub_failure_message(name: str, error: BaseException, offline: str | None) -> str:
+    """Why timm could not load the pretrained weights of `name`, where it looked, what to do."""
+    cfg = get_pretrained_cfg(name)
+    architecture, tag = (cfg.architecture, cfg.tag) if cfg is not None else (name, "")
+    tagged = f"{architecture}.{tag}" if tag else name
+    what = f"pretrained weights for '{name}'"
+    shown_tag = tagged if tagged != name else ""
+    download = f"timm.create_model('{tagged}', pretrained=True)"
+    fix = (f"pass weights_path: /path/to/weights (data.weights_path: a file saved from the "
+           f"'{architecture}' architecture), or pretrained: false for a random-init smoke test")
+    hub_id = cfg.hf_hub_id if cfg is not None else None
+    if hub_id and offline and isinstance(error, FileNotFoundError):  # not in the hub cache
+        return not_cached_message(what, hub_id, offline, download, fix, tag=shown_tag)
+    what += f" (timm tag {shown_tag})" if shown_tag else ""
+    if hub_id:
+        where = f"the Hugging Face hub repo '{hub_id}' (cache {hub_cache_dir()})"
+    elif cfg is not None and cfg.url:
+        where = f"{cfg.url} (cache {Path(torch.hub.get_dir()) / 'checkpoints'})"
+    else:
+        where = "timm (no weights source is registered for this tag)"
+    return (f"{what} could not be loaded from {where} ({short_error(error)}). Download them once "
+            f"on a machine with network access ({download}) and copy its cache folder here, or "
+            f"{fix}")
 
 
 def hub_weights_id(net: nn.Module) -> str:
