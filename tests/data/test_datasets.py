@@ -61,7 +61,7 @@ def row_hashes(images: torch.Tensor) -> set[bytes]:
 
 def test_registry_lists_datasets_and_rejects_unknown_names():
     names = list_datasets()
-    assert {"mnist5k", "fashion_mnist", "mnist", "cifar10", "cifar100", "svhn"} <= set(names)
+    assert {"mnist5k", "fashion_mnist", "mnist", "cifar10", "cifar100", "svhn", "tiny_imagenet"} <= set(names)
     assert "synthetic" not in names
     with pytest.raises(ValueError, match=r"unknown dataset 'imagenet'.*mnist5k"):
         load_dataset("imagenet")
@@ -314,12 +314,12 @@ def test_fashion_mnist_download_uses_torchvision_layout(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- torchvision
 
 
-@pytest.mark.parametrize("name", ["mnist", "cifar10", "cifar100", "svhn"])
-def test_torchvision_datasets_absent_without_download_raise(tmp_path, name):
+def test_torchvision_datasets_absent_without_download_raise(tmp_path):
+    # cifar10, cifar100, svhn and tiny_imagenet: tests/data/test_paper_datasets.py
     with pytest.raises(FileNotFoundError) as error:
-        load_dataset(name, tmp_path, download=False)
+        load_dataset("mnist", tmp_path, download=False)
     message = str(error.value)
-    assert message.startswith(f"{name} is not in {tmp_path};")
+    assert message.startswith(f"mnist is not in {tmp_path};")
     assert "`download: true`" in message and "data.download" in message
 
 
@@ -334,39 +334,3 @@ def test_mnist_loads_through_torchvision(tmp_path):
     assert mnist.train.images.dtype == torch.uint8 and mnist.train.labels.dtype == torch.int64
     assert mnist.test.labels.tolist() == [0, 1, 2]
     assert len(mnist.classes) == 10 and mnist.source.startswith("torchvision.datasets.MNIST")
-
-
-class _FakeTorchvisionDataset:
-    """Stands in for a torchvision dataset holding 2 train / 1 test RGB images."""
-
-    classes = tuple(f"class {i}" for i in range(10))
-
-    def __init__(self, root, train=True, download=False, split=None):
-        count = 2 if (train if split is None else split == "train") else 1
-        self.data = np.arange(count * 32 * 32 * 3, dtype=np.int64).astype(np.uint8)
-        self.targets = self.labels = list(range(count))
-
-
-def test_cifar_and_svhn_are_converted_to_channels_last(tmp_path, monkeypatch):
-    import torchvision.datasets
-
-    class FakeCIFAR10(_FakeTorchvisionDataset):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.data = self.data.reshape(-1, 32, 32, 3)  # torchvision's CIFAR layout
-
-    class FakeSVHN(_FakeTorchvisionDataset):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.data = self.data.reshape(-1, 32, 32, 3).transpose(0, 3, 1, 2)  # channels first
-            self.labels = np.array(self.labels, dtype=np.int64)
-
-    monkeypatch.setattr(torchvision.datasets, "CIFAR10", FakeCIFAR10)
-    monkeypatch.setattr(torchvision.datasets, "SVHN", FakeSVHN)
-    cifar, svhn = load_dataset("cifar10", tmp_path), load_dataset("svhn", tmp_path)
-    for dataset in (cifar, svhn):
-        assert dataset.train.images.shape == (2, 32, 32, 3)
-        assert dataset.test.images.shape == (1, 32, 32, 3)
-        assert dataset.train.images.is_contiguous() and dataset.train.labels.dtype == torch.int64
-    assert torch.equal(cifar.train.images, svhn.train.images)
-    assert cifar.classes[0] == "class 0" and svhn.classes == tuple("0123456789")

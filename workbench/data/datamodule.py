@@ -133,7 +133,7 @@ class FederatedDataModule(LightningDataModule):
         dataset: a name from `workbench.data.datasets.list_datasets()` (image or text), or
             `synthetic`.
         data_dir: where raw datasets are looked for (and downloaded to with `download`).
-        download: allow torchvision to download a missing dataset (needs internet).
+        download: download a missing dataset into `data_dir` (needs internet).
         inputs: `features` (cached backbone features, (n, d)) or `images`: the raw images at
             their native size as float (n, c, H, W) scaled to [-1, 1], no backbone (for models
             that train on pixels, e.g. a small CNN); `backbone`, `input_size`, `mean` and `std`
