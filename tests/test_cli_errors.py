@@ -35,6 +35,10 @@ def refused(capsys, run_dir: Path, *args: str) -> str:
     ("--data.alpha=0", "data.alpha must be > 0"),
     ("--model.gamma=-1", "gamma and gamma_out must be ≥ 0"),
     ("--data.val_fraction=1.5", "data.val_fraction must be in [0, 1)"),
+    ("--data.synthetic.dim=-4", "data.synthetic.dim must be ≥ 1, got -4"),
+    ("--data.synthetic.num_classes=1", "data.synthetic.num_classes must be ≥ 2, got 1; a classifier needs"),
+    ("--data.synthetic.num_classes=0", "data.synthetic.num_classes must be ≥ 2, got 0"),
+    ("--data.synthetic.test_size=0", "data.synthetic.test_size must be ≥ 1, got 0"),
 ])
 def test_a_constructor_check_is_one_line(flag, message, capsys, tmp_path):
     err = refused(capsys, tmp_path / "runs", *SYNTHETIC, flag)

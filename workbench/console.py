@@ -83,6 +83,15 @@ _NOISE = re.compile(r"^\s*(- )?(Expected a <class 'NoneType'>|Does not validate 
 _UNKNOWN_CLASS = re.compile(r"Parser key \"(model|data)\".*?Expected a dot import path string: (\S+)", re.S)
 _UNKNOWN_OPTION = re.compile(r"class_path '([\w.]+)':\s*Option '(\w+)' is not accepted")
 _NOT_A_GROUP = re.compile(r"class_path '([\w.]+)':\s*Parser key \"(\w+)\":\s*Unable to load config")
+# a value of the wrong type for a method's or the data's setting, under two levels of nesting
+# (an optional setting's message lists the union's subtypes first)
+_WRONG_TYPE = re.compile(r"Parser key \"(model|data)\":.*?class_path '[\w.]+':\s*Parser key \"([\w.]+)\":"
+                         r"(?:\s*(?:Does not validate[^\n]*|Subtypes:[^\n]*|Errors:))*"
+                         r"\s*(?:- )?Expected a (?:<class '(?:\w+\.)*(\w+)'>|typing\.Literal\[([^\]]*)\])", re.S)
+_GIVEN_VALUE = re.compile(r"(?:Got value|Given value): ([^\n]*)")
+#: how a type of the parser's messages reads in ours
+_KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+          "Sequence": "a list, e.g. [0.1, 1.0]", "list": "a list, e.g. [0.1, 1.0]", "dict": "a mapping"}
 
 
 def moved_message(class_name: str, found: dict[str, str]) -> str:
@@ -135,5 +144,12 @@ def condense_parse_error(message: str, choices: dict[str, list[str]], describe, 
             return (f"{class_path.rsplit('.', 1)[-1]} has no setting {name!r}"
                     + (f"; did you mean {close[0]!r}?" if close else "")
                     + f" Its settings: {', '.join(known)}")
+    wrong = _WRONG_TYPE.search(message)
+    if wrong:
+        key, name, kind, choices = wrong.groups()
+        value = _GIVEN_VALUE.search(message, wrong.end())
+        given = f", got {value[1].strip()!r}" if value else ""
+        expected = f"one of {choices}" if choices is not None else _KINDS.get(kind, f"a {kind}")
+        return f"{key}.{name} must be {expected}{given}"
     kept = [line for line in message.splitlines() if line.strip() and not _NOISE.match(line)]
     return "\n".join(kept)

@@ -266,9 +266,11 @@ class WorkbenchCLI(LightningCLI):
                                      stopping=self._get(self.config_init, "stopping"),
                                      other_data=self._get(self.config, "other_data", default=False))
         if os.environ.get("LOCAL_RANK", "0") == "0":
-            # the data first (partition, labels, features, the cache): an error there stops the run
-            # before its folder and W&B run exist; the other processes of a fit read the cache later
+            # the data first (partition, labels, features, the cache), then the method, protocol and
+            # stopping rule against it: an error there stops the run before its folder and W&B run
+            # exist; the other processes of a fit read the cache later
             self.datamodule.setup()
+            self.model.check_data(self.datamodule, fitting=self.subcommand == "fit")
         self.trainer = self.instantiate_trainer()
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:

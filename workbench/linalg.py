@@ -16,6 +16,18 @@ def stream_generator(seed: int, stream: int) -> torch.Generator:
     return torch.Generator().manual_seed(state)
 
 
+#: the dtypes the analytic methods' statistics and solves may take (Cholesky has no half-precision kernels)
+STATISTICS_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def statistics_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a method's `dtype` setting; ValueError naming the choices otherwise."""
+    if name not in STATISTICS_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(STATISTICS_DTYPES)} (the statistics and the solve), "
+                         f"got {name!r}")
+    return STATISTICS_DTYPES[name]
+
+
 def identity_like(gram: Tensor) -> Tensor:
     """The identity matrix with the shape, dtype and device of a square `gram`."""
     return torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)

@@ -259,6 +259,59 @@ def test_a_stray_label_through_the_command_is_exit_status_2_and_two_lines(tmp_pa
     assert not (tmp_path / "runs").exists()  # the data is loaded before the run folder is claimed
 
 
+def test_one_class_is_an_error_before_any_model(tmp_path):
+    table = blobs_table(n=40)
+    with pytest.raises(ValueError, match=r"holds 1 class \(every label is 0\); a classifier needs at least two"):
+        own(tmp_path, {**table, "label": [0] * 40}, feature_column="emb").setup()
+    with pytest.raises(ValueError, match=r"holds 1 class \(data.hf.num_classes=1\)"):
+        own(tmp_path, {**table, "label": [0] * 40}, feature_column="emb", num_classes=1).setup()
+
+
+def test_an_image_folder_of_one_class_is_an_error_saying_why_it_has_no_labels(tmp_path):
+    folder = image_folder(tmp_path / "one", {"train": 3})
+    for name in ("green", "blue"):
+        for file in (folder / "train" / name).iterdir():
+            file.unlink()
+        (folder / "train" / name).rmdir()
+    with pytest.raises(ValueError, match=r"has images but no labels: an image folder has labels when its images lie "
+                                         r"in two or more class subfolders"):
+        load_own_data(OwnData(path=str(folder), image_column="image"), tmp_path)
+
+
+def test_images_that_do_not_decode_are_an_error_naming_the_file(tmp_path):
+    folder = image_folder(tmp_path / "broken", {"train": 3, "test": 2})
+    (folder / "train" / "red" / "1.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(20))
+    with pytest.raises(ValueError, match=r"an image cannot be decoded \(cannot identify image file .*red/1.png"):
+        load_own_data(OwnData(path=str(folder), image_column="image"), tmp_path)
+    whole = (folder / "train" / "red" / "0.png").read_bytes()
+    (folder / "train" / "red" / "1.png").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=r"an image cannot be decoded \(image file is truncated.*replace or delete"):
+        load_own_data(OwnData(path=str(folder), image_column="image"), tmp_path)
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("empty.jsonl", "", r"is empty \(no rows\)"),
+    ("number.jsonl", '{"emb": [1.0], "label": 0}\n42\n', r"not a mapping \(ArrowInvalid: JSON parse error"),
+    ("text.jsonl", '{"emb": [1.0], "label": 0}\nnot json\n', r"\(ArrowInvalid: JSON parse error: Invalid value"),
+    ("ragged.csv", "emb,label\n1,0\n2,1,3\n", r"\(ParserError: Error tokenizing data.*Expected 2 fields in line 3"),
+    ("empty.csv", "", r"\(EmptyDataError: No columns to parse from file\)"),
+])
+def test_a_file_datasets_cannot_parse_is_one_error_saying_why(tmp_path, name, text, message):
+    import logging
+
+    (tmp_path / name).write_text(text)
+    noted = []  # datasets' own note of the failed read: the error says it already
+    handler = logging.Handler()
+    handler.emit = noted.append
+    logging.getLogger("datasets").addHandler(handler)
+    try:
+        with pytest.raises(ValueError, match=message) as error:
+            load_own_data(OwnData(path=str(tmp_path / name), feature_column="emb"), tmp_path)
+    finally:
+        logging.getLogger("datasets").removeHandler(handler)
+    assert "\n" not in str(error.value) and not noted
+
+
 def test_bad_feature_rows_are_clear_errors(tmp_path):
     table = {"emb": [[1.0, 2.0], [1.0], [3.0, 4.0]] * 5, "label": [0, 1, 1] * 5}
     with pytest.raises(ValueError, match="vectors of different lengths"):

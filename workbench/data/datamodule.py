@@ -94,6 +94,15 @@ class SyntheticBlobs:
     separation: float = 6.0
     seed: int = 0
 
+    def check(self) -> None:
+        """ValueError naming the setting: both splits hold rows, a row holds numbers, and there
+        are at least two classes (a classifier needs them)."""
+        for name, least in (("train_size", 1), ("test_size", 1), ("dim", 1), ("num_classes", 2)):
+            value = getattr(self, name)
+            if value < least:
+                raise ValueError(f"data.synthetic.{name} must be ≥ {least}, got {value}"
+                                 + ("; a classifier needs at least two classes" if name == "num_classes" else ""))
+
     def generate(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """-> train features (n, dim) float32, train labels (n,), test features, test labels."""
         gen = torch.Generator().manual_seed(self.seed)
@@ -270,7 +279,9 @@ class FederatedDataModule(LightningDataModule):
             raise ValueError("data.partition=flower needs data.flower.partitioner, a Flower Datasets "
                              "partitioner name (e.g. linear, inner_dirichlet), its arguments in data.flower, "
                              f"and optionally by: label (default) or client; got {flower!r}")
-        if dataset != "synthetic":
+        if dataset == "synthetic":
+            synthetic.check()
+        else:
             check_inputs(dataset, inputs, backbone, cache_dir, hf)
         self.save_hyperparameters()
         self.args = self.hparams

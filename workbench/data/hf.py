@@ -21,6 +21,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -192,17 +193,36 @@ def _identity(settings: OwnData, fingerprint: str) -> str:
 def _load_splits(settings: OwnData, cache_dir: Path) -> dict[str, Any]:
     """The dataset's splits as {name: datasets.Dataset}."""
     datasets = _datasets()
+    library_log = logging.getLogger("datasets")
+    level = library_log.level
+    library_log.setLevel(logging.CRITICAL)  # its note of a file it failed to read: the ValueError below says it
     try:
         loaded = _load(datasets, settings, cache_dir)
-    except (FileNotFoundError, datasets.exceptions.DatasetNotFoundError, ValueError) as error:
-        if "corresponds to no data" in str(error):  # how datasets reports an empty split
+    # what datasets raises on files it cannot read: besides its own errors, the parsers' (pandas,
+    # pyarrow: ValueErrors), TypeError for a JSON line that is not an object, StopIteration for an
+    # empty JSON file
+    except (FileNotFoundError, datasets.exceptions.DatasetNotFoundError, datasets.exceptions.DatasetGenerationError,
+            ValueError, TypeError, StopIteration) as error:
+        if "corresponds to no data" in str(error) or isinstance(error, StopIteration):  # an empty split
             raise ValueError(f"a split of data.hf.path={settings.path!r} (data_files={settings.data_files!r}) "
-                             f"is empty ({error}): give every split rows") from error
+                             f"is empty ({_why(error) or 'no rows'}): give every split rows") from error
         raise ValueError(f"Hugging Face datasets cannot load data.hf.path={settings.path!r} "
-                         f"(data_files={settings.data_files!r}): {error}") from error
+                         f"(data_files={settings.data_files!r}): {_why(error)}") from error
+    finally:
+        library_log.setLevel(level)
     if isinstance(loaded, datasets.Dataset):
         loaded = {"train": loaded}
     return dict(loaded)
+
+
+def _why(error: BaseException, limit: int = 300) -> str:
+    """A library's error in one line of at most `limit` characters, with what caused it (datasets
+    says only that generating the dataset failed; the parser that failed says why)."""
+    cause = error.__cause__ or error.__context__
+    text = " ".join(str(error).split())
+    if cause is not None and str(cause).strip() and str(cause) != str(error):
+        text += f" ({type(cause).__name__}: {' '.join(str(cause).split())})"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _load(datasets: Any, settings: OwnData, cache_dir: Path) -> Any:
@@ -276,7 +296,11 @@ def _images(split: Any, settings: OwnData, where: str) -> Tensor:
     from PIL import Image
 
     column = settings.image_column
-    images = split[column]
+    try:
+        images = list(split[column])  # decodes every image (once: a column decodes on every pass)
+    except (OSError, SyntaxError, ValueError) as error:  # what PIL raises on a file it cannot decode
+        raise ValueError(f"data.hf.image_column {column!r} of {where}: an image cannot be decoded ({_why(error)}): "
+                         "replace or delete that file") from error
     if images and not isinstance(images[0], Image.Image):
         raise ValueError(f"data.hf.image_column {column!r} of {where} holds {type(images[0]).__name__} "
                          "values, not images: name a column of images (an image folder's is `image`)")
@@ -347,6 +371,9 @@ def load_own_data(settings: OwnData, data_dir: str | Path) -> OwnDataset:
         if split is None:
             continue
         missing = [c for c in needed if c not in split.column_names]
+        if missing == [settings.label_column] and kind == "image" and split.column_names == [column]:
+            raise ValueError(f"split {name!r} of {settings.path} has images but no labels: an image folder has "
+                             "labels when its images lie in two or more class subfolders (<split>/<class>/<file>)")
         if missing:
             raise ValueError(f"split {name!r} of {settings.path} has no column(s) {missing}; its "
                              f"columns: {split.column_names}: set data.hf.*_column accordingly")
@@ -366,6 +393,12 @@ def load_own_data(settings: OwnData, data_dir: str | Path) -> OwnDataset:
     every_label = train_labels if test_labels is None else np.concatenate([train_labels, test_labels])
     num_classes = (len(names) if names else settings.num_classes
                    or class_count(torch.from_numpy(every_label), settings.label_column))
+    if num_classes < 2:
+        given = ("its ClassLabel has 1 name" if names else "data.hf.num_classes=1" if settings.num_classes
+                 else "every label is 0")
+        raise ValueError(f"data.hf.label_column {settings.label_column!r} holds 1 class ({given}); a classifier "
+                         "needs at least two: add rows of another class"
+                         + ("" if names else ", or declare data.hf.num_classes ≥ 2"))
 
     train_inputs = inputs_of(train, where_train)
     client_values = np.asarray(train[settings.client_column]) if settings.client_column else None

@@ -141,8 +141,7 @@ class LightningEngine(LightningModule):
             self._check_processes()
             if not getattr(data, "has_validation", True):  # no validation split: no validation loop to set up
                 self.trainer.limit_val_batches = 0
-        problem = Problem(tuple(getattr(data, "input_shape", (data.feature_dim,))), data.num_classes,
-                          data.num_clients)
+        problem = self.problem_of(data)
         if self.method.setup(problem) or self.clients is None:
             self.val_acc = MulticlassAccuracy(problem.num_classes, average="micro")
             self.test_acc = MulticlassAccuracy(problem.num_classes, average="micro")
@@ -154,6 +153,25 @@ class LightningEngine(LightningModule):
                 self._ddp_params_and_buffers_to_ignore = [
                     f"client_half.{name}" for name, _ in self.client_half.named_parameters()] + [
                     f"client_half.{name}" for name, _ in self.client_half.named_buffers()]
+
+    @staticmethod
+    def problem_of(data) -> Problem:
+        """The shape of the data module's federated problem."""
+        return Problem(tuple(getattr(data, "input_shape", (data.feature_dim,))), data.num_classes, data.num_clients)
+
+    def check_data(self, data, fitting: bool) -> None:
+        """Before any run folder exists (the command line calls it once the data is set up): the
+        method set up for the data (a model it cannot build for this shape fails here), and for a
+        fit the protocol and the stopping rule checked against it."""
+        self.method.setup(self.problem_of(data))
+        if fitting:
+            self._check_protocol()
+            self._check_stopping(data)
+
+    def _check_stopping(self, data) -> None:
+        if self.stopping.active and getattr(data, "val_features", None) is None:
+            raise ValueError(f"stopping.patience={self.stopping.patience} watches validation accuracy, and there "
+                             "is no validation split: set data.val_fraction (e.g. 0.1) with data.val_split=clients")
 
     def _local_clients(self, data) -> Transport:
         """This process's clients: all of them, or with several processes its whole clients'
@@ -220,9 +238,7 @@ class LightningEngine(LightningModule):
                                           clip_norm=self._totals.pop("dp_clip_norm", None))
         self.curve = []
         self._stop = False
-        if self.stopping.active and getattr(self.data, "val_features", None) is None:
-            raise ValueError(f"stopping.patience={self.stopping.patience} watches validation accuracy, and there "
-                             "is no validation split: set data.val_fraction (e.g. 0.1) with data.val_split=clients")
+        self._check_stopping(self.data)
 
     def training_step(self, batch, batch_idx: int) -> None:
         """One round per epoch: the clients' data comes from the data module's training rows, not

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from workbench.federation.privacy import ridge_sensitivity, safe_ridge
-from workbench.linalg import class_sums, identity_like, solve_spd
+from workbench.linalg import class_sums, identity_like, solve_spd, statistics_dtype
 from workbench.methods.base import SUMMED, SYMMETRIC, ClientHalf, Cohort, FederatedMethod, Metrics, Problem, Uploads
 from workbench.methods.ridge_selection import (
     SELECTION_UPLOADS,
@@ -123,7 +123,7 @@ class AFL(FederatedMethod):
             gamma_out = self.gamma_grid[0]
         self.gamma, self.gamma_out, self.bias = gamma, gamma_out, bias
         self.holdout_fraction, self.seed = holdout_fraction, seed
-        self.stat_dtype = getattr(torch, dtype)
+        self.stat_dtype = statistics_dtype(dtype)
         self._candidates: Tensor | None = None
 
     def setup_problem(self, problem: Problem) -> None:

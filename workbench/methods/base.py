@@ -195,6 +195,8 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
     personal_every_round: bool = False
     #: the server holds a model of the whole population (`forward`, `test/acc`)
     global_model: bool = True
+    #: fits on feature vectors (n, d) only, as the analytic methods' statistics are of rows
+    needs_feature_vectors: bool = True
 
     rounds_done: Tensor  # () int64
     finished: Tensor  # () bool
@@ -323,6 +325,9 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
         """Set up for `problem` unless already set up for it (a fitted model stays); True if new."""
         if problem == self.problem:
             return False
+        if self.needs_feature_vectors and len(problem.input_shape) != 1:
+            raise ValueError(f"{type(self).__name__} fits on feature vectors, and the data holds inputs of shape "
+                             f"{problem.input_shape}: use data.inputs=features (a backbone's features)")
         self.problem = problem
         self.input_shape, self.num_classes = problem.input_shape, problem.num_classes
         self.num_clients, self.feature_dim = problem.num_clients, problem.feature_dim

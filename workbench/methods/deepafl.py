@@ -89,7 +89,7 @@ import torch
 import torch.nn.functional as nnf
 from torch import Tensor, nn
 
-from workbench.linalg import class_sums, identity_like, solve_spd, stream_generator
+from workbench.linalg import class_sums, identity_like, solve_spd, statistics_dtype, stream_generator
 from workbench.methods.base import (
     SUMMED,
     SYMMETRIC,
@@ -103,7 +103,6 @@ from workbench.methods.base import (
 )
 
 ACTIVATIONS = {"gelu": nnf.gelu, "relu": torch.relu, "tanh": torch.tanh, "sigmoid": torch.sigmoid}
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
 # The server's sums and solves, whatever `dtype` is: ΦᵀΦ + γI is ill-conditioned (Φ's features have
 # a large common mean), and solving in float32 puts W_t ten times further from float64's
 # (Fashion-MNIST, T = 20: 4·10⁻³ relative instead of 4·10⁻⁴).
@@ -405,8 +404,6 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
                              f"got {gamma_s}; the official default is 0.05")
         if not 0 <= seed < 2 ** 63:
             raise ValueError(f"seed must be an integer in [0, 2⁶³), got {seed}")
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
         if omega_norm is not None and not omega_norm > 0:
@@ -416,7 +413,7 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         self.num_layers, self.hidden_dim, self.block_dim = num_layers, hidden_dim, block_dim
         self.activation = ACTIVATIONS[activation]
         self.gamma, self.gamma_s, self.seed = gamma, gamma_s, seed
-        self.stat_dtype = DTYPES[dtype]
+        self.stat_dtype = statistics_dtype(dtype)
         self.depth_accuracy: list[float] = []
         # Φ of evaluation data while fitting, advanced one layer per depth instead of rebuilt:
         # key ("test",) or ("val", batch index) -> (depth, features, Φ)

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from workbench.linalg import class_sums, counts_of
+from workbench.linalg import class_sums, counts_of, statistics_dtype
 from workbench.methods.base import SUMMED, ClientHalf, Cohort, FederatedMethod, Metrics, Problem, Uploads
 
 
@@ -83,7 +83,7 @@ class FedNCM(FederatedMethod):
             raise ValueError(f"dtype must be 'float32' or 'float64', got {dtype!r}")
         self.save_hyperparameters()
         self.temperature = float(temperature)
-        self.stat_dtype = getattr(torch, dtype)
+        self.stat_dtype = statistics_dtype(dtype)
 
     def setup_problem(self, problem: Problem) -> None:
         num_classes, dim = problem.num_classes, problem.feature_dim

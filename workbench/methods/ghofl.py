@@ -38,7 +38,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from workbench.linalg import class_sums, counts_of
+from workbench.linalg import class_sums, counts_of, statistics_dtype
 from workbench.methods.base import SUMMED, SYMMETRIC, ClientHalf, Cohort, FederatedMethod, Metrics, Problem, Uploads
 from workbench.methods.gaussian_heads import (
     FisherMixHead,
@@ -224,7 +224,7 @@ class GHOFL(FederatedMethod):
         self.synthesis = synthesis
         self.fishermix_schedule, self.proto_hyper_schedule = fishermix, proto_hyper
         self.fedcgs_ridge = fedcgs_ridge
-        self.stat_dtype = getattr(torch, dtype)
+        self.stat_dtype = statistics_dtype(dtype)
         self.fishermix: FisherMixHead | None = None
         self.proto_hyper: ProtoHyperHead | None = None
         self.head_metrics: dict[str, float] = {}  # the latest fit's server timings and final losses

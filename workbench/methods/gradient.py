@@ -155,6 +155,7 @@ class GradientMethod(FederatedMethod):
     """
 
     client_class: type[GradientClient] = GradientClient
+    needs_feature_vectors = False  # a cnn trains on images
     prox_mu = 0.0  # FedProx's μ: a proximal pull of local SGD towards w_t
     # the command line names the new key of a setting given the old way
     moved_settings = MappingProxyType({**MOVED_SETTINGS, **MOVED_VALUES})

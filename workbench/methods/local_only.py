@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as nnf
 from torch import Tensor
 
-from workbench.linalg import grouped_matmul, grouped_ridge
+from workbench.linalg import grouped_matmul, grouped_ridge, statistics_dtype
 from workbench.methods.base import ClientHalf, Cohort, FederatedMethod, Metrics, Problem
 
 
@@ -83,7 +83,7 @@ class LocalOnly(FederatedMethod):
             raise ValueError(f"dtype must be 'float32' or 'float64', got {dtype!r}")
         self.save_hyperparameters()
         self.gamma = gamma
-        self.stat_dtype = getattr(torch, dtype)
+        self.stat_dtype = statistics_dtype(dtype)
 
     @property
     def num_rounds(self) -> int:

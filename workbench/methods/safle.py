@@ -75,6 +75,7 @@ from workbench.linalg import (
     multi_hot_ridge,
     packed_symmetric_numel,
     solve_spd,
+    statistics_dtype,
 )
 from workbench.methods.base import (
     SUMMED,
@@ -416,9 +417,7 @@ class SAFLe(SparseEmbedding, FederatedMethod):
             raise ValueError(f"experts and group_size must be ≥ 1, got {experts} and {group_size}")
         if gamma < 0 or gamma_out < 0:
             raise ValueError(f"gamma and gamma_out must be ≥ 0, got {gamma} and {gamma_out}")
-        stat_dtype = getattr(torch, dtype, None)
-        if not isinstance(stat_dtype, torch.dtype) or not stat_dtype.is_floating_point:
-            raise ValueError(f"dtype must name a torch floating dtype such as 'float64', got {dtype!r}")
+        stat_dtype = statistics_dtype(dtype)
         self.digits_per_dim = 1 if bucketing == "integer" else levels
         self.base = levels if bucketing == "integer" else 2  # k
         self.vocab = self.base ** group_size  # V
