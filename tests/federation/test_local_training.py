@@ -235,10 +235,12 @@ def test_bad_arguments_are_rejected():
 # ---- batched L-BFGS --------------------------------------------------------------------------
 
 
-def rosenbrock_family(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row k: a Rosenbrock valley of its own steepness (100·(k+1)); separable across rows."""
+def rosenbrock_family(x: torch.Tensor, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Problem k: a Rosenbrock valley of its own steepness (100·(k+1)), of the problems `rows`
+    (None: x's rows are problems 0, 1, ...); separable across rows."""
     x = x.detach().requires_grad_()
-    steep = 100.0 * torch.arange(1, len(x) + 1, dtype=x.dtype)
+    rows = torch.arange(len(x)) if rows is None else rows
+    steep = 100.0 * (rows + 1).to(x.dtype)
     value = (steep[:, None] * (x[:, 1:] - x[:, :-1] ** 2) ** 2 + (1 - x[:, :-1]) ** 2).sum(1)
     (gradient,) = torch.autograd.grad(value.sum(), x)
     return value.detach(), gradient
@@ -250,12 +252,9 @@ def test_batched_lbfgs_is_independent_lbfgs_runs():
     )
     together, values = lbfgs(rosenbrock_family, start, steps=25, history=5)
     for k in range(len(start)):
-        # alone, row k keeps its own steepness: run the family on a one-row batch shifted to row k
-        def alone_objective(x, k=k):
-            padded = torch.zeros(k + 1, x.shape[1], dtype=x.dtype)
-            padded[k] = x[0]
-            value, gradient = rosenbrock_family(padded)
-            return value[k:], gradient[k:]
+        # alone, row k keeps its own steepness: problem k of the family
+        def alone_objective(x, rows, k=k):
+            return rosenbrock_family(x, torch.full((len(x),), k))
 
         alone, value = lbfgs(alone_objective, start[k : k + 1], steps=25, history=5)
         torch.testing.assert_close(together[k], alone[0], rtol=1e-10, atol=1e-12)
@@ -268,13 +267,13 @@ def test_lbfgs_never_increases_the_loss_and_solves_a_quadratic():
     hessians = basis @ basis.transpose(1, 2) + 0.1 * torch.eye(8, dtype=torch.float64)
     optimum = torch.randn(3, 8, generator=gen, dtype=torch.float64)
 
-    def quadratic(x):
-        gap = x - optimum
-        gradient = (hessians @ gap[:, :, None]).squeeze(2)
+    def quadratic(x, rows):
+        gap = x - (optimum if rows is None else optimum[rows])
+        gradient = ((hessians if rows is None else hessians[rows]) @ gap[:, :, None]).squeeze(2)
         return 0.5 * (gap * gradient).sum(1), gradient
 
     start = torch.zeros(3, 8, dtype=torch.float64)
-    previous = quadratic(start)[0]
+    previous = quadratic(start, None)[0]
     for steps in (1, 3, 10):
         _, value = lbfgs(quadratic, start, steps=steps)
         assert (value <= previous + 1e-12).all()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import itertools
+from functools import partial
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from workbench.data import FederatedDataModule, SyntheticBlobs
 from workbench.engines.local import LocalClients
 from workbench.federation import codec
 from workbench.federation.compression import ErrorFeedback
-from workbench.federation.local_training import LocalTraining, local_sgd
+from workbench.federation.local_training import LocalTraining, lbfgs, local_sgd
 from workbench.methods import OSFED, Cohort, Problem
 from workbench.methods.osfed import OSFEDClient, Snapshot, multi_grid
 
@@ -23,9 +24,10 @@ BLOBS = SyntheticBlobs(num_classes=4, dim=8, train_size=400, test_size=200, seed
 
 
 def prepared(grid_size: int = 2, num_clients: int = 4, lbfgs_steps: int = 30, diagnostics: bool = False,
-             error_feedback: ErrorFeedback = ErrorFeedback()) -> tuple[OSFEDClient, Cohort]:
-    """An OS-FED client half serving every client of tiny blobs, in float64, and the whole
-    training set as its cohort (every client has data: slot k is client k)."""
+             error_feedback: ErrorFeedback = ErrorFeedback(),
+             dtype: torch.dtype = torch.float64) -> tuple[OSFEDClient, Cohort]:
+    """An OS-FED client half serving every client of tiny blobs, in float64 (or `dtype`), and the
+    whole training set as its cohort (every client has data: slot k is client k)."""
     dm = FederatedDataModule(
         dataset="synthetic",
         synthetic=BLOBS,
@@ -39,10 +41,10 @@ def prepared(grid_size: int = 2, num_clients: int = 4, lbfgs_steps: int = 30, di
                    snapshot=Snapshot(grid_size=grid_size, lbfgs_steps=lbfgs_steps),
                    local=LocalTraining(lr=0.1, batch_size=16))
     method.setup(Problem(tuple(dm.input_shape), dm.num_classes, num_clients))
-    clients = LocalClients(method, dm.train_features.double(), dm.train_labels, dm.train_client_ids,
+    clients = LocalClients(method, dm.train_features.to(dtype), dm.train_labels, dm.train_client_ids,
                            torch.unique(dm.train_client_ids), batch_size=1 << 14)
     assert torch.equal(clients.served, torch.arange(num_clients))
-    return clients.half.double(), clients.data
+    return clients.half.to(dtype), clients.data
 
 
 def local_updates(method: OSFEDClient, batch: Cohort, clients: torch.Tensor) -> torch.Tensor:
@@ -210,6 +212,146 @@ def test_batched_snapshot_fits_equal_each_client_fitted_alone():
         alone = method.fit_snapshots(targets[k : k + 1], start[k : k + 1], steps=8)
         torch.testing.assert_close(together[0][k], alone[0][0], rtol=1e-7, atol=1e-9)
         torch.testing.assert_close(together[3][k], alone[3][0], rtol=1e-7, atol=1e-12)
+
+
+# ---- the batched line search: only the rows still searching ----------------------------------
+
+
+def reference_lbfgs(objective, start, *, steps, history=10, max_backtracks=12, armijo=1e-4, curvature_eps=1e-10,
+                    searching=None):
+    """The reference: `local_training.lbfgs` as it was before its line search gathered the rows still
+    searching, a faithful copy of the old loop (also what benchmarks/osfed_line_search.py times).
+    Every evaluation is of all m rows (`objective(x, None)`); each backtrack re-evaluates the rows
+    that already accepted a step where they stand, until the slowest accepts. `searching` (a list)
+    gets each evaluation's rows whose value was needed: every row at the start, then those that
+    had not accepted a step."""
+    x = start.detach().clone()
+    m, n = x.shape
+    value, gradient = objective(x, None)
+    if searching is not None:
+        searching.append(torch.ones(m, dtype=torch.bool))
+    s_hist = x.new_zeros(m, history, n)  # oldest ... newest along dim 1
+    y_hist = x.new_zeros(m, history, n)
+    rho = x.new_zeros(m, history)  # 1 / sᵀy, 0 for an empty slot
+    tiny = torch.finfo(x.dtype).tiny
+    for _ in range(steps):
+        q = -gradient
+        alphas = []
+        for slot in reversed(range(history)):
+            alpha = rho[:, slot] * (s_hist[:, slot] * q).sum(1)
+            q = q - alpha[:, None] * y_hist[:, slot]
+            alphas.append(alpha)
+        newest_yy = (y_hist[:, -1] ** 2).sum(1)
+        has_history = rho[:, -1] > 0
+        scale = torch.where(
+            has_history, 1 / (rho[:, -1] * newest_yy).clamp_min(tiny), torch.ones_like(newest_yy)
+        )
+        direction = q * scale[:, None]
+        for slot, alpha in zip(range(history), reversed(alphas), strict=True):
+            beta = rho[:, slot] * (y_hist[:, slot] * direction).sum(1)
+            direction = direction + (alpha - beta)[:, None] * s_hist[:, slot]
+        restart = (gradient * direction).sum(1) >= 0
+        direction = torch.where(restart[:, None], -gradient, direction)
+        rho = rho.masked_fill(restart[:, None], 0)
+        has_history = has_history & ~restart
+        slope = (gradient * direction).sum(1)
+        descent = slope < 0
+        step = torch.where(
+            has_history,
+            torch.ones_like(slope),
+            (1 / gradient.abs().sum(1).clamp_min(tiny)).clamp(max=1),
+        )
+        accepted = ~descent
+        new_x, new_value, new_gradient = x, value, gradient
+        for _ in range(max_backtracks):
+            trial = torch.where(accepted[:, None], new_x, x + step[:, None] * direction)
+            if searching is not None:
+                searching.append(~accepted)
+            trial_value, trial_gradient = objective(trial, None)
+            ok = ~accepted & (trial_value <= value + armijo * step * slope)
+            new_x = torch.where(ok[:, None], trial, new_x)
+            new_value = torch.where(ok, trial_value, new_value)
+            new_gradient = torch.where(ok[:, None], trial_gradient, new_gradient)
+            accepted = accepted | ok
+            step = torch.where(accepted, step, step / 2)
+            if bool(accepted.all()):
+                break
+        failed = ~accepted
+        s, y = new_x - x, new_gradient - gradient
+        sy = (s * y).sum(1)
+        keep = accepted & descent & (sy > curvature_eps)
+        s_hist = torch.where(keep[:, None, None], torch.cat([s_hist[:, 1:], s[:, None]], 1), s_hist)
+        y_hist = torch.where(keep[:, None, None], torch.cat([y_hist[:, 1:], y[:, None]], 1), y_hist)
+        rho = torch.where(keep[:, None], torch.cat([rho[:, 1:], (1 / sy.where(keep, 1))[:, None]], 1), rho)
+        rho = rho.masked_fill(failed[:, None], 0)
+        x, value, gradient = new_x, new_value, new_gradient
+    return x, value
+
+
+def logging_lbfgs(lbfgs_function, log):
+    """`lbfgs_function` whose objective appends (x, its rows (r,), values) of every evaluation to `log`."""
+
+    def run(objective, start, **options):
+        def logged(x, rows):
+            value, gradient = objective(x, rows)
+            log.append((x.clone(), torch.arange(len(x)) if rows is None else rows.clone(), value.clone()))
+            return value, gradient
+
+        return lbfgs_function(logged, start, **options)
+
+    return run
+
+
+def trials_by_row(log, m, searching=None):
+    """Each row's evaluations in order, (x, value) as one row each: only those `searching` marks."""
+    trials = [[] for _ in range(m)]
+    for index, (x, rows, value) in enumerate(log):
+        for position, row in enumerate(rows.tolist()):
+            if searching is None or searching[index][row]:
+                trials[row].append(torch.cat([x[position], value[position : position + 1]]))
+    return [torch.stack(row) for row in trials]
+
+
+def cnn_client(num_clients):
+    """A CNN client half on 1×8×8 images (2×2 snapshots of side 4), float32, random targets and starts."""
+    method = OSFED(architecture="cnn", snapshot=Snapshot(grid_size=2, resolution=4, lbfgs_steps=30))
+    method.setup(Problem((1, 8, 8), 3, num_clients))
+    client = method.client_half()
+    gen = torch.Generator().manual_seed(3)
+    size = client.flat.vector().numel()
+    targets = torch.randn(num_clients, size, generator=gen) * 1e-2
+    return client, targets, torch.randn(num_clients, *client.snapshot_shape, generator=gen)
+
+
+@pytest.mark.parametrize("architecture", ["mlp", "cnn"])
+def test_the_line_search_evaluates_only_the_rows_still_searching(architecture, monkeypatch):
+    """Each backtrack evaluates only the clients that have not accepted a step: every client's
+    trial points and values (so its accepted steps and iterates) and its final snapshot are the
+    reference's (float32, to 1e-6), which re-evaluates every client until the slowest accepts."""
+    import workbench.methods.osfed as osfed
+
+    if architecture == "mlp":
+        method, batch = prepared(num_clients=8, dtype=torch.float32)
+        clients = torch.arange(8)
+        targets = local_updates(method, batch, clients)
+        start = method.initial_snapshots(0, batch.of(clients))
+    else:
+        method, targets, start = cnn_client(6)
+    m = len(targets)
+    reference_log, searching, log = [], [], []
+    monkeypatch.setattr(osfed, "lbfgs", logging_lbfgs(partial(reference_lbfgs, searching=searching), reference_log))
+    expected = method.fit_snapshots(targets, start)
+    monkeypatch.setattr(osfed, "lbfgs", logging_lbfgs(lbfgs, log))
+    fitted = method.fit_snapshots(targets, start)
+    for got, want in zip(fitted, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    reference_trials, trials = trials_by_row(reference_log, m, searching), trials_by_row(log, m)
+    for row, (got, want) in enumerate(zip(trials, reference_trials, strict=True)):
+        assert got.shape == want.shape, f"client {row}: {len(got)} evaluations, the reference's {len(want)}"
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    evaluated = sum(len(rows) for _, rows, _ in log)
+    assert evaluated == sum(len(row) for row in reference_trials)  # nothing but the rows still searching
+    assert evaluated < 0.8 * m * len(reference_log)  # the reference evaluates every row every time
 
 
 def test_uploads_are_the_snapshot_bytes_and_training_learns(fit_method):

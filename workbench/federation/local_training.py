@@ -31,7 +31,8 @@ grouped ones).
 
 `lbfgs` — L-BFGS on m independent problems at once (OS-FED's per-client snapshot fits). Each
 problem keeps its own curvature history, initial scaling and backtracking (Armijo) line
-search; only the function evaluations are batched. This is exactly m independent L-BFGS runs
+search; only the function evaluations are batched, and a backtrack evaluates only the problems
+that have not yet accepted a step. This is exactly m independent L-BFGS runs
 (tested), unlike one L-BFGS on the summed loss: the sum of separable losses has a
 block-diagonal Hessian, but L-BFGS's history pairs and shared step length would couple the
 problems.
@@ -301,8 +302,18 @@ def local_sgd(
     return {name: value[unsort] for name, value in params.items()}
 
 
+def _rows(full: Tensor, rows: Tensor | None) -> Tensor:
+    """The rows `rows` of `full` (None: all of it)."""
+    return full if rows is None else full[rows]
+
+
+def _put(full: Tensor, rows: Tensor | None, part: Tensor) -> Tensor:
+    """`full` with its rows `rows` replaced by `part` (None: `part` is all of it); out of place."""
+    return part if rows is None else full.index_copy(0, rows, part)
+
+
 def lbfgs(
-    objective: Callable[[Tensor], tuple[Tensor, Tensor]],
+    objective: Callable[[Tensor, Tensor | None], tuple[Tensor, Tensor]],
     start: Tensor,
     *,
     steps: int,
@@ -313,18 +324,22 @@ def lbfgs(
 ) -> tuple[Tensor, Tensor]:
     """Minimize m independent problems with L-BFGS, evaluations batched.
 
-    objective: x (m, n) -> (values (m,), gradients (m, n)), where row k of both depends only on
-        row k of x (separable problems).
+    objective: (x (r, n), rows) -> (values (r,), gradients (r, n)) of the problems `rows` (r,)
+        (int64 indices among the m; None: all m in order, r = m), where row i of both depends only
+        on row i of x (separable problems: the values of a row must not depend on which other
+        rows are evaluated with it).
     start: (m, n). steps: L-BFGS iterations (each one line search); history: stored (s, y) pairs.
     Per problem: direction by the two-loop recursion with H₀ = (sᵀy / yᵀy) I from the newest pair;
     first step length min(1, 1/‖g‖₁) without history, else 1; halved until Armijo's condition
     f(x + t d) ≤ f(x) + armijo · t · gᵀd holds. A failed line search leaves the problem where it
-    is and clears its history (the next iteration restarts from steepest descent).
+    is and clears its history (the next iteration restarts from steepest descent). The first trial
+    of a line search evaluates every problem; each backtrack after it only those that have not
+    accepted a step (gathered, evaluated, scattered back).
     Returns (x (m, n), values (m,)); values never increase.
     """
     x = start.detach().clone()
     m, n = x.shape
-    value, gradient = objective(x)
+    value, gradient = objective(x, None)
     s_hist = x.new_zeros(m, history, n)  # oldest ... newest along dim 1
     y_hist = x.new_zeros(m, history, n)
     rho = x.new_zeros(m, history)  # 1 / sᵀy, 0 for an empty slot
@@ -359,20 +374,25 @@ def lbfgs(
             (1 / gradient.abs().sum(1).clamp_min(tiny)).clamp(max=1),
         )
 
-        # Backtracking, batched: rows already accepted are re-evaluated where they stand.
+        # Backtracking, batched over the rows still searching: the first trial evaluates every
+        # row (all search but one whose gradient is exactly zero, evaluated where it stands), each
+        # later one gathers the rows that have not accepted a step and scatters their results back.
         accepted = ~descent
         new_x, new_value, new_gradient = x, value, gradient  # (replaced, never written in place)
+        rows: Tensor | None = None  # the rows evaluated (None: all)
         for _ in range(max_backtracks):
-            trial = torch.where(accepted[:, None], new_x, x + step[:, None] * direction)
-            trial_value, trial_gradient = objective(trial)
-            ok = ~accepted & (trial_value <= value + armijo * step * slope)
-            # torch.where, not boolean indexing: the host never waits for a count of rows
-            new_x = torch.where(ok[:, None], trial, new_x)
-            new_value = torch.where(ok, trial_value, new_value)
-            new_gradient = torch.where(ok[:, None], trial_gradient, new_gradient)
-            accepted = accepted | ok
+            row_step, row_accepted = _rows(step, rows), _rows(accepted, rows)
+            trial = _rows(x, rows) + row_step[:, None] * _rows(direction, rows)
+            trial_value, trial_gradient = objective(trial, rows)
+            ok = ~row_accepted & (trial_value <= _rows(value, rows) + armijo * row_step * _rows(slope, rows))
+            new_x = _put(new_x, rows, torch.where(ok[:, None], trial, _rows(new_x, rows)))
+            new_value = _put(new_value, rows, torch.where(ok, trial_value, _rows(new_value, rows)))
+            new_gradient = _put(new_gradient, rows, torch.where(ok[:, None], trial_gradient, _rows(new_gradient, rows)))
+            accepted = _put(accepted, rows, row_accepted | ok)
             step = torch.where(accepted, step, step / 2)
-            if bool(accepted.all()):
+            # the rows still searching: the line search's one read of the device a backtrack
+            rows = (~accepted).nonzero().squeeze(1)
+            if len(rows) == 0:
                 break
         failed = ~accepted
         # Curvature pair of the step taken; kept only when sᵀy > 0 (keeps H positive definite).

@@ -17,7 +17,8 @@ in FedAvg, workbench/methods/fedavg.py):
    to the simplex), so the snapshot can set both the direction and the size of its gradient.
 3. S_k* = argmin_S ‖g(S) − Δg_k‖² / (‖Δg_k‖² + ε), by L-BFGS through double backprop; the
    problems of the m clients are solved at once but independently (per-client histories and
-   line searches, workbench/federation/local_training.lbfgs). g is linear in ℓ, so the scale
+   line searches, workbench/federation/local_training.lbfgs; a backtrack evaluates only the
+   clients that have not yet accepted a step). g is linear in ℓ, so the scale
    of ℓ is solved in closed form inside the objective: with α(S) = ⟨g(S), Δg⟩ / ‖g(S)‖²,
    L-BFGS minimizes ‖α g(S) − Δg‖² / (‖Δg‖² + ε) — the same minimum over S (α ℓ is a label
    embedding too), without the flat start where g(S) ⟂ Δg — and the client sends α* ℓ*.
@@ -245,9 +246,20 @@ class SnapshotGeometry:
 
         per_client = vmap(grad_and_value(matching_loss))
 
-        def objective(variables: Tensor) -> tuple[Tensor, Tensor]:
-            gradient, value = per_client(variables, target_parts, squares)
-            return value, gradient
+        def objective(variables: Tensor, rows: Tensor | None) -> tuple[Tensor, Tensor]:
+            """Values and gradients of the clients `rows` (None: all m); the line search's
+            backtracks ask only for the clients still searching."""
+            if rows is None:
+                gradient, value = per_client(variables, target_parts, squares)
+                return value, gradient
+            # vmap over a batch of one row takes other kernels than over two or more (the packed
+            # row's views are contiguous then: another summation order, ~1e-8 off the batch's
+            # values), so a lone client among several is evaluated as a pair
+            lone = len(rows) == 1 < len(targets)
+            if lone:
+                variables, rows = variables.repeat(2, 1), rows.repeat(2)
+            gradient, value = per_client(variables, [part[rows] for part in target_parts], squares[rows])
+            return (value[:1], gradient[:1]) if lone else (value, gradient)
 
         if labels is None:
             labels = self.correlated_labels(snapshot, targets)
