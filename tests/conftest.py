@@ -136,6 +136,30 @@ def metrics(run: Path) -> dict[str, float]:
     return merged
 
 
+def save_tiny_gpt2(directory: Path, sentences: list[str], *, layers: int, vocab_size: int):
+    """A GPT-2 `layers` deep and 32 wide (random weights from torch's current seed) and a byte-level
+    BPE tokenizer trained on `sentences`, saved into `directory` with save_pretrained, as GPT-2's
+    own files are: (the model, the tokenizer)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GPT2Config, GPT2Model, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(sentences * 4, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>",
+                                        bos_token="<|endoftext|>", unk_token="<|endoftext|>")
+    eos = tokenizer.eos_token_id
+    config = GPT2Config(n_layer=layers, n_embd=32, n_head=2, n_positions=64, vocab_size=len(tokenizer),
+                        bos_token_id=eos, eos_token_id=eos)
+    net = GPT2Model(config).eval()
+    net.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return net, tokenizer
+
+
 # ---- no test writes outside its temporary folder -----------------------------------------------
 #: where a test could leave files behind: the repository and the workbench's default caches
 WATCHED = (ROOT, Path("~/.cache/workbench").expanduser())

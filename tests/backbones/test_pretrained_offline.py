@@ -30,6 +30,7 @@ import pytest
 import timm
 import torch
 
+from tests.conftest import save_tiny_gpt2
 from workbench.backbones import (
     Backbone,
     BackboneWeightsError,
@@ -285,25 +286,8 @@ SENTENCES = ["the cat sat on the mat", "a dog ran in the park today", "hello"]
 def tiny_gpt2(directory: Path) -> tuple[Any, Any]:
     """A 1-layer, 32-wide GPT-2 (random weights) and a byte-level BPE tokenizer trained on a few
     words, saved into `directory` with save_pretrained as the hub repo holds them."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import GPT2Config, GPT2Model, PreTrainedTokenizerFast
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(SENTENCES * 4, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>",
-                                        bos_token="<|endoftext|>", unk_token="<|endoftext|>")
-    eos = tokenizer.eos_token_id
-    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=64, vocab_size=len(tokenizer),
-                        bos_token_id=eos, eos_token_id=eos)
     with forked_seed(7):
-        net = GPT2Model(config).eval()
-    net.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return net, tokenizer
+        return save_tiny_gpt2(directory, SENTENCES, layers=1, vocab_size=300)
 
 
 def test_gpt2_loads_from_a_local_hub_cache_offline(hub_cache: Path) -> None:

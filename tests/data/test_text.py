@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import ROOT, CountingNet, FakeBackbone
+from tests.conftest import ROOT, CountingNet, FakeBackbone, save_tiny_gpt2
 from workbench.data import FederatedDataModule
 from workbench.data.features import cache_key, cached_features
 from workbench.data.prepare import (
@@ -289,24 +289,9 @@ def tiny_gpt2_dir(tmp_path_factory):
     """A 2-layer, 32-wide GPT-2 with random weights and a small byte-level BPE tokenizer,
     saved as a model directory (save_pretrained), as real GPT-2 weights would be."""
     needs_text_extra()
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import GPT2Config, GPT2Model, PreTrainedTokenizerFast
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(SENTENCES * 4, trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>",
-                                        bos_token="<|endoftext|>", unk_token="<|endoftext|>")
-    eos = tokenizer.eos_token_id
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=64, vocab_size=len(tokenizer),
-                        bos_token_id=eos, eos_token_id=eos)
     torch.manual_seed(0)
     directory = tmp_path_factory.mktemp("tiny-gpt2")
-    GPT2Model(config).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
+    save_tiny_gpt2(directory, SENTENCES, layers=2, vocab_size=320)
     return directory
 
 
