@@ -1,9 +1,10 @@
 """Data: raw datasets, backbone feature cache, partitions, and the federated data module.
 
-Importing the package imports the loader modules (`datasets` for images, `text` for texts), so
-every dataset is in the registry (`workbench.data.registry`) whenever anything here is used.
+Importing the package imports the loader modules (`datasets` and `paper_datasets` for images,
+`text` for texts), so every dataset is in the registry (`workbench.data.registry`) whenever
+anything here is used.
 """
-from workbench.data import datasets, text  # noqa: F401  (register the datasets)
+from workbench.data import datasets, paper_datasets, text  # noqa: F401  (register the datasets)
 from workbench.data.datamodule import FederatedDataModule, SyntheticBlobs
 
 __all__ = ["FederatedDataModule", "SyntheticBlobs"]

@@ -369,6 +369,4 @@ def _register_torchvision(name: str, class_name: str, description: str) -> None:
 
 _register_torchvision("mnist", "MNIST", "MNIST, 60000 train / 10000 test images of (28, 28).")
 
-# cifar10, cifar100, svhn and tiny_imagenet: read from their official files by readers of our own
-# (torchvision's check the files' MD5 sums and so refuse any test fixture); registered on import.
-from workbench.data import paper_datasets  # noqa: E402, F401
+# cifar10, cifar100, svhn and tiny_imagenet: workbench/data/paper_datasets.py
