@@ -125,7 +125,13 @@ def hub_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     huggingface_hub reads HF_HUB_CACHE and HF_HUB_OFFLINE once, at import (timm and the
     workbench import it long before a test runs), so its constants are patched as well as the
     environment (which subprocesses would read)."""
+    import huggingface_hub
     import huggingface_hub.constants as hf_constants
+    from timm.models import _hub
+
+    if not getattr(_hub, "_has_hf_hub", True):  # timm 1.0.3's imports fail on huggingface_hub ≥ 1.0
+        pytest.skip(f"timm {timm.__version__} cannot read hub files with huggingface_hub "
+                    f"{huggingface_hub.__version__}: pip install -U timm")
 
     home = tmp_path / "huggingface"
     cache = home / "hub"
