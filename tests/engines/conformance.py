@@ -34,6 +34,7 @@ from workbench.methods import (
     LocalOnly,
     SAFLe,
 )
+from workbench.methods.analytic_start import AnalyticStart
 from workbench.methods.osfed import Snapshot
 
 BLOBS = SyntheticBlobs(num_classes=4, dim=8, train_size=480, test_size=120, seed=7)
@@ -54,6 +55,9 @@ METHODS = {
     "FedAvg": (lambda: FedAvg(sample_fraction=0.67, compression=Compression("topk", topk_fraction=0.3), **GRADIENT),
                1e-6),
     "FedProx": (lambda: FedProx(mu=0.5, **GRADIENT), 1e-6),
+    # the analytic start: AFL's head and its temperature on the hold-outs, two rounds before FedAvg's
+    "AFL+FedAvg": (lambda: FedAvg(**GRADIENT, init_from=AnalyticStart(
+        method="AFL", settings={"gamma_out": 0.5, "bias": True}, temperatures=(0.25, 0.5, 1.0))), 1e-6),
     "FedAvgM": (lambda: FedAvgM(server_momentum=0.9, server_lr=0.5, **GRADIENT), 1e-6),
     "Ditto": (lambda: Ditto(lam=0.5, **GRADIENT), 1e-6),
     # float32 L-BFGS line searches amplify the last-bit differences of batched and one-client
@@ -74,6 +78,8 @@ PROTOCOLS = {
 
 
 def supports(name: str, protocol: str) -> bool:
+    if protocol in ("dp", "client_dp") and name == "AFL+FedAvg":
+        return False  # the start's statistics have no DP accounting: refused with a clear error
     if protocol == "client_dp":
         return METHODS[name][0]().clips_updates  # clients that upload summed updates
     if protocol == "sampled":  # methods that sample with their own sample_fraction refuse a second sampler

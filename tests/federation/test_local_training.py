@@ -212,7 +212,7 @@ def test_bad_arguments_are_rejected():
             client_ids,
             torch.tensor([0]),
             epochs=1,
-            lr=0.0,
+            lr=-0.1,
             batch_size=8,
             seed=0,
         )
@@ -342,3 +342,30 @@ def test_local_steps_count_each_clients_minibatches():
     schedule = list(minibatch_schedule(client_ids, clients, epochs=3, batch_size=10, seed=0))
     counted = torch.stack([mask.any(1) for _, mask in schedule]).sum(0)
     assert torch.equal(steps, counted) and steps[2] == 0  # client 3 holds no data
+
+
+def test_frozen_parameters_keep_their_value_and_the_rest_train_as_with_them_as_constants():
+    """`frozen`: those parameters come back as they went in; the others equal torch.optim.SGD
+    on the same model with the frozen ones out of the optimization (requires_grad off)."""
+    import copy
+
+    features, labels, client_ids = toy_clients()
+    model = build_model("mlp", (6,), 4, hidden_dim=5, seed=2).double()
+    clients = torch.tensor([0, 2, 4])
+    options = dict(epochs=2, lr=0.1, batch_size=8, seed=3)
+    trained = local_sgd(model, features, labels, client_ids, clients, frozen=("3.weight", "3.bias"), **options)
+    assert list(trained) == [name for name, _ in model.named_parameters()]
+    schedule = list(minibatch_schedule(client_ids, clients, epochs=2, batch_size=8, seed=3))
+    for row in range(len(clients)):
+        reference = copy.deepcopy(model)
+        reference[3].requires_grad_(False)
+        params, _ = reference_sgd(reference, features, labels, schedule, row, lr=0.1)
+        for name, value in params.items():
+            torch.testing.assert_close(trained[name][row], value.detach(), rtol=1e-12, atol=1e-12)
+        assert torch.equal(trained["3.weight"][row], model[3].weight.detach())
+    # lr 0: nothing moves
+    still = local_sgd(model, features, labels, client_ids, clients, **{**options, "lr": 0.0})
+    for name, p in model.named_parameters():
+        assert torch.equal(still[name], p.detach().expand_as(still[name]))
+    with pytest.raises(ValueError, match="frozen names"):
+        local_sgd(model, features, labels, client_ids, clients, frozen=("9.weight",), **options)

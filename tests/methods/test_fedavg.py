@@ -176,7 +176,7 @@ def test_raw_images_feed_a_cnn(add_dataset, fit_method):
 
 def test_bad_settings_name_the_fix():
     with pytest.raises(ValueError, match="lr"):
-        FedAvg(local=LocalTraining(lr=0.0))
+        FedAvg(local=LocalTraining(lr=-0.1))
     with pytest.raises(ValueError, match="sample_fraction"):
         FedAvg(sample_fraction=0.0)
     with pytest.raises(ValueError, match="mu"):

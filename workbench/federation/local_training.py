@@ -41,7 +41,7 @@ problems.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -141,7 +141,8 @@ class LocalTraining:
     settings of the gradient methods' `local`, one source for FedAvg, FedProx, FedAvgM, Ditto,
     SCAFFOLD and OS-FED).
 
-    epochs: passes over the client's data per round; lr: the step size at round 0; batch_size: B.
+    epochs: passes over the client's data per round; lr: the step size at round 0 (0: no step, the
+        model stays where it started, e.g. to check an analytic start); batch_size: B.
     lr_schedule: `constant`, `cosine` (lr → lr_final_fraction · lr over the fit's rounds) or
         `step` (× lr_gamma every lr_step_rounds rounds): a function of the round index only
         (`scheduled_lr`), so every client uses the same wherever it runs.
@@ -162,8 +163,8 @@ class LocalTraining:
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.batch_size < 1:
             raise ValueError(f"local.epochs and local.batch_size must be ≥ 1, got {self.epochs} and {self.batch_size}")
-        if not self.lr > 0:
-            raise ValueError(f"local.lr must be > 0, got {self.lr}")
+        if not self.lr >= 0:
+            raise ValueError(f"local.lr must be ≥ 0, got {self.lr}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"unknown local.lr_schedule {self.lr_schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
         if not 0 <= self.lr_final_fraction <= 1 or self.lr_step_rounds < 1 or not 0 < self.lr_gamma <= 1:
@@ -210,6 +211,7 @@ def local_sgd(
     correction: dict[str, Tensor] | None = None,
     momentum: float = 0.0,
     weight_decay: float = 0.0,
+    frozen: Collection[str] = (),
 ) -> dict[str, Tensor]:
     """Local SGD of m clients at once; returns each client's trained parameters.
 
@@ -222,17 +224,22 @@ def local_sgd(
         per entry shared (param shape) or per client ((m, *shape)); missing entries are 0.
     seed: the round's minibatch seed; client k shuffles with `client_generator(seed, k)`.
     momentum: β of heavy-ball momentum (buffer from 0 at every call); weight_decay: λ, adds λ w.
+    frozen: names of parameters that keep the model's value (no gradient is taken of them).
     Returns {name: (m, *param.shape)} in the order of `clients`, detached.
     """
-    if epochs < 0 or batch_size < 1 or not lr > 0 or prox_mu < 0 or not 0 <= momentum < 1 or weight_decay < 0:
+    if epochs < 0 or batch_size < 1 or not lr >= 0 or prox_mu < 0 or not 0 <= momentum < 1 or weight_decay < 0:
         raise ValueError(
-            f"local_sgd needs epochs ≥ 0, batch_size ≥ 1, lr > 0, prox_mu ≥ 0, 0 ≤ momentum < 1 and "
+            f"local_sgd needs epochs ≥ 0, batch_size ≥ 1, lr ≥ 0, prox_mu ≥ 0, 0 ≤ momentum < 1 and "
             f"weight_decay ≥ 0; got epochs={epochs}, batch_size={batch_size}, lr={lr}, prox_mu={prox_mu}, "
             f"momentum={momentum}, weight_decay={weight_decay}"
         )
     m = len(clients)
-    global_params = {name: p.detach() for name, p in model.named_parameters()}
-    buffers = {name: b.detach() for name, b in model.named_buffers()}
+    if unknown := sorted(set(frozen) - {name for name, _ in model.named_parameters()}):
+        raise ValueError(f"frozen names {unknown}, which are not parameters of the model")
+    # a frozen parameter goes in with the buffers: a constant of the loss, not differentiated
+    global_params = {name: p.detach() for name, p in model.named_parameters() if name not in frozen}
+    fixed = {name: p.detach() for name, p in model.named_parameters() if name in frozen}
+    buffers = {name: b.detach() for name, b in model.named_buffers()} | fixed
     counts = torch.bincount(client_ids, minlength=int(clients.max()) + 1 if m else 1)[clients]
     by_size = torch.argsort(
         counts, descending=True, stable=True
@@ -255,7 +262,7 @@ def local_sgd(
         if correction is not None and name in correction:
             r, per_client = _per_client(correction[name], value, m, f"correction[{name!r}]")
             shift[name] = (r[by_size] if per_client else r.expand(m, *value.shape)).to(value)
-    if correction is not None and (unknown := sorted(set(correction) - set(global_params))):
+    if correction is not None and (unknown := sorted(set(correction) - set(global_params) - set(fixed))):
         raise ValueError(f"correction names {unknown}, which are not parameters of the model")
 
     def loss(
@@ -299,7 +306,10 @@ def local_sgd(
                     direction = buffer
                 value.sub_(lr * direction)
     unsort = torch.argsort(by_size)
-    return {name: value[unsort] for name, value in params.items()}
+    trained = {name: value[unsort] for name, value in params.items()}
+    # every parameter, in the model's order: the frozen ones as they came in
+    return {name: trained[name] if name in trained else p.detach().expand(m, *p.shape).clone()
+            for name, p in model.named_parameters()}
 
 
 def _rows(full: Tensor, rows: Tensor | None) -> Tensor:

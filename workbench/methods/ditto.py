@@ -50,8 +50,8 @@ class DittoClient(FedAvgClient):
         super().setup_state()
         self.personal = ClientTable(self.initial)
 
-    def client_update(self, round_index: int, broadcast: Mapping[str, Tensor],
-                      cohort: Cohort) -> tuple[Uploads, Metrics]:
+    def train_round(self, round_index: int, broadcast: Mapping[str, Tensor],
+                    cohort: Cohort) -> tuple[Uploads, Metrics]:
         self.receive(broadcast)
         if len(cohort.clients):
             # The personal step first: its proximal centre is w_t, the model just received.
@@ -59,7 +59,7 @@ class DittoClient(FedAvgClient):
                                      lr=self.personal_lr, prox_mu=self.lam,
                                      init=self.flat.unflatten(self.personal.read(cohort.clients)))
             self.personal.write(cohort.clients, self.flat.flatten(trained))
-        return super().client_update(round_index, broadcast, cohort)  # FedAvg's global step
+        return super().train_round(round_index, broadcast, cohort)  # FedAvg's global step
 
     @torch.no_grad()
     def predict(self, features: Tensor, client_ids: Tensor) -> Tensor:
@@ -100,6 +100,9 @@ class Ditto(FedAvg):
     def __init__(self, lam: float = 0.1, personal_epochs: int | None = None,
                  personal_lr: float | None = None, **kwargs) -> None:
         super().__init__(**kwargs)  # its save_hyperparameters() also records lam and the rest
+        if self.init_from.enabled:  # every v_k starts at w₀, which a client rebuilds from the seed alone
+            raise ValueError("Ditto's personal models start from the seeded w₀ and do not take an analytic start: "
+                             "use init_from.method=none (or FedAvg / FedProx with init_from)")
         self.lam = lam
         self.personal_epochs = self.local.epochs if personal_epochs is None else personal_epochs
         self.personal_lr = self.local.lr if personal_lr is None else personal_lr

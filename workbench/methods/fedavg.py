@@ -117,7 +117,7 @@ class FedProx(FedAvg):
     def __init__(self, mu: float = 0.01, **kwargs) -> None:
         super().__init__(**kwargs)
         lr = self.local.lr
-        if not 0 <= mu < 2 / lr:
+        if not 0 <= mu or lr * mu >= 2:  # lr 0: no step at all
             raise ValueError(f"FedProx needs 0 ≤ mu < 2 / local.lr = {2 / lr:g} (local SGD diverges on the proximal "
                              f"term beyond), got mu = {mu}: lower mu or local.lr")
         self.prox_mu = mu

@@ -14,7 +14,9 @@ upload and their server step:
 
 The settings: `num_rounds`, `architecture` and `hidden_dim` (the model, `workbench.methods.heads`),
 `local` (local training, nested keys on the command line: `--model.local.lr=0.1`),
-`sample_fraction`, `server_lr` (η_s, the server's step along the averaged update) and `seed`.
+`sample_fraction`, `server_lr` (η_s, the server's step along the averaged update), `seed`, and
+`init_from` (`workbench.methods.analytic_start`: the last layer fitted in closed form, AFL, Fed3R,
+FedNCM or LDA, in rounds of its own before these: `--model.init_from.method=AFL`).
 A method stores each setting once; its client half reads them from the method (its settings,
 never its learned state).
 """
@@ -28,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from workbench.federation.local_training import LocalTraining, local_sgd
+from workbench.methods.analytic_start import NO_START, START_UPLOADS, AnalyticStart, activations, head_names, load_head
 from workbench.methods.base import ClientHalf, Cohort, FederatedMethod, Metrics, Problem, RoundPlan, Uploads
 from workbench.methods.heads import Architecture, build_model
 
@@ -97,9 +100,11 @@ class GradientClient(ClientHalf):
     def __init__(self, problem: Problem, method: GradientMethod) -> None:
         super().__init__(problem)
         self.local: LocalTraining = method.local
-        self.num_rounds, self.seed, self.prox_mu = method.num_rounds, method.seed, method.prox_mu
+        self.num_rounds, self.seed, self.prox_mu = method.rounds, method.seed, method.prox_mu
+        self.start: AnalyticStart = method.init_from
         self.net = method.build_net(problem)  # w₀, rebuilt from the seed
         self.flat = Flat(self.net)
+        self.frozen = head_names(self.net) if self.start.fixed_head else ()
 
     def round_lr(self, round_index: int, lr: float | None = None) -> float:
         """η_t: `lr` (default the local training's) under the schedule at round t."""
@@ -114,7 +119,7 @@ class GradientClient(ClientHalf):
         step size (`lr`, default the local training's) follows the schedule at this round."""
         local = self.local
         options = {"epochs": local.epochs, "prox_mu": self.prox_mu, "momentum": local.momentum,
-                   "weight_decay": local.weight_decay, **options,
+                   "weight_decay": local.weight_decay, "frozen": self.frozen, **options,
                    "lr": self.round_lr(round_index, options.get("lr"))}
         features = cohort.features.to(self.dtype)  # the data as stored, the model's precision
         return local_sgd(self.net, features, cohort.labels, cohort.client_ids, cohort.clients,
@@ -122,7 +127,21 @@ class GradientClient(ClientHalf):
 
     def client_update(self, round_index: int, broadcast: Mapping[str, Tensor],
                       cohort: Cohort) -> tuple[Uploads, Metrics]:
-        """Local SGD from the received w_t, then the method's message of each Δw_k (`encode`)."""
+        """The analytic start's rounds (round index < S), then the method's round index − S."""
+        start_rounds = self.start.rounds
+        if round_index >= start_rounds:
+            return self.train_round(round_index - start_rounds, broadcast, cohort)
+        if len(cohort.clients) == 0:
+            return {}, {}
+        h = activations(self.net, cohort.features, cohort.batch_size)  # at w₀: the start rounds train nothing
+        if round_index == 0:
+            return self.start.client_statistics(h, cohort, self.num_classes, self.seed), {}
+        return self.start.client_scores(h, cohort, self.seed, broadcast), {}
+
+    def train_round(self, round_index: int, broadcast: Mapping[str, Tensor],
+                    cohort: Cohort) -> tuple[Uploads, Metrics]:
+        """The method's round `round_index`: local SGD from the received w_t, then the method's
+        message of each Δw_k (`encode`)."""
         self.receive(broadcast)
         if len(cohort.clients) == 0:
             return {}, {}
@@ -152,6 +171,8 @@ class GradientMethod(FederatedMethod):
         sample_fraction: q, share of the clients sampled each round.
         server_lr: η_s, the step the server takes along the averaged update.
         seed: model initialization, client sampling and minibatch order.
+        init_from: the analytic start of the last layer (`AnalyticStart`: method, settings,
+            temperatures, holdout_fraction, fixed_head); method `none`: the seeded w₀.
     """
 
     client_class: type[GradientClient] = GradientClient
@@ -162,7 +183,7 @@ class GradientMethod(FederatedMethod):
 
     def __init__(self, *, num_rounds: int = 20, architecture: Architecture = "mlp", hidden_dim: int = 256,
                  local: LocalTraining = LocalTraining(), sample_fraction: float = 1.0, server_lr: float = 1.0,
-                 seed: int = 0) -> None:
+                 seed: int = 0, init_from: AnalyticStart = NO_START) -> None:
         super().__init__()
         if num_rounds < 1 or hidden_dim < 1:
             raise ValueError(f"num_rounds and hidden_dim must be ≥ 1, got {num_rounds} and {hidden_dim}")
@@ -174,13 +195,26 @@ class GradientMethod(FederatedMethod):
             raise ValueError(f"sample_fraction must be in (0, 1], got {sample_fraction}")
         if architecture not in ("linear", "mlp", "cnn"):
             raise ValueError(f"unknown architecture {architecture!r}; choose linear, mlp or cnn")
+        if not isinstance(init_from, AnalyticStart):
+            raise TypeError(f"init_from must be an AnalyticStart (method, settings, ...), got "
+                            f"{type(init_from).__name__}")
+        if init_from.fixed_head and architecture == "linear":
+            raise ValueError("init_from.fixed_head keeps the last layer, and a linear model has no other: use "
+                             "architecture mlp or cnn, or init_from.fixed_head=false")
         self.save_hyperparameters()  # every constructor argument down the subclass's chain
         self.rounds, self.architecture, self.hidden_dim, self.local = num_rounds, architecture, hidden_dim, local
         self.sample_fraction, self.server_lr, self.seed = sample_fraction, server_lr, seed
+        self.init_from = init_from
 
     @property
     def num_rounds(self) -> int:
-        return self.rounds
+        """S + R: the analytic start's rounds, then the method's own."""
+        return self.init_from.rounds + self.rounds
+
+    @property
+    def gradient_round(self) -> int:
+        """The method's own round index: the fit's round less the start's S."""
+        return self.round - self.init_from.rounds
 
     def build_net(self, problem: Problem) -> nn.Module:
         """w₀: the model initialized from the seed (the same on the server and every client)."""
@@ -190,6 +224,20 @@ class GradientMethod(FederatedMethod):
     def setup_problem(self, problem: Problem) -> None:
         self.net = self.build_net(problem)
         self.flat = Flat(self.net)
+        if self.init_from.enabled:  # the start's heads, kept between its rounds (resumable)
+            width = activations(self.net, torch.zeros(1, *problem.input_shape), 1).shape[1]
+            dtype = self.init_from.build_head_method().stat_dtype
+            for name, shape in {"start_weight": (width, problem.num_classes), "start_bias": (problem.num_classes,),
+                                "start_candidate_weight": (width, problem.num_classes),
+                                "start_candidate_bias": (problem.num_classes,)}.items():
+                self.register_buffer(name, torch.zeros(shape, dtype=dtype))
+            self.register_buffer("start_temperature", torch.tensor(self.init_from.temperatures[0], dtype=dtype))
+
+    def setup(self, problem: Problem) -> bool:
+        new = super().setup(problem)
+        if new and self.init_from.enabled:  # the start rounds' uploads beside the method's own
+            self.uploads = {**self.uploads, **START_UPLOADS}
+        return new
 
     def client_half(self) -> GradientClient:
         return self.client_class(self.problem, self)
@@ -207,11 +255,45 @@ class GradientMethod(FederatedMethod):
         """(m,) sorted ids of this round's clients: m = max(1, round(q · |available|)) of the
         clients with data, drawn uniformly without replacement, seeded by (seed, round)."""
         m = max(1, round(self.sample_fraction * len(available)))
-        order = torch.randperm(len(available), generator=round_generator(self.seed, self.round, SAMPLING))
+        order = torch.randperm(len(available), generator=round_generator(self.seed, self.gradient_round, SAMPLING))
         return available[order[:m].to(available.device)].sort().values
 
     def plan_round(self, available: Tensor) -> RoundPlan:
+        if self.round < self.init_from.rounds:  # the start: every client with data
+            return RoundPlan(available, self.start_broadcast())
         return RoundPlan(self.sample_clients(available), self.broadcast())
+
+    def start_broadcast(self) -> dict[str, Tensor]:
+        """Start round 0: w₀ as its seed; round 1: the candidate head whose τ the clients score."""
+        if self.federation.dp_sigma > 0 or self.federation.dp_clip > 0:
+            raise ValueError("the analytic start's statistics have no differential-privacy accounting yet: "
+                             "use init_from.method=none with federation.dp_sigma / dp_clip")
+        if self.round == 0:
+            return {"seed": torch.tensor(self.seed, dtype=torch.int64)}
+        return {"start_weight": self.start_candidate_weight, "start_bias": self.start_candidate_bias}
+
+    def finish_round(self, uploads: Uploads, num_clients: float) -> Metrics:
+        if self.round >= self.init_from.rounds:
+            return super().finish_round(uploads, num_clients)
+        metrics = self.start_update(uploads)
+        self.rounds_done += 1
+        return metrics
+
+    def start_update(self, uploads: Uploads) -> Metrics:
+        """Start round 0: the head (and the candidate) from the pooled sums; round 1: τ. The last
+        layer takes the head / τ after each (the curve scores the analytic head from round 0 on)."""
+        start, classes, clients = self.init_from, self.problem.num_classes, self.problem.num_clients
+        metrics: Metrics = {}
+        if self.round == 0:
+            self.start_weight, self.start_bias = start.solve(uploads, classes, clients)
+            if start.calibrates:
+                self.start_candidate_weight, self.start_candidate_bias = start.solve(uploads, classes, clients,
+                                                                                      kept=True)
+        else:
+            temperature, metrics = start.choose_temperature(uploads)
+            self.start_temperature.fill_(temperature)
+        load_head(self.net, self.start_weight, self.start_bias, float(self.start_temperature))
+        return metrics
 
     def broadcast(self) -> dict[str, Tensor]:
         if self.round == 0:  # w₀ travels as its seed

@@ -55,8 +55,8 @@ class ScaffoldClient(GradientClient):
         # c_i for the clients that have taken part; c_i = 0 for the others
         self.control = ClientTable(torch.zeros(self.flat.vector().numel(), dtype=self.dtype))
 
-    def client_update(self, round_index: int, broadcast: Mapping[str, Tensor],
-                      cohort: Cohort) -> tuple[Uploads, Metrics]:
+    def train_round(self, round_index: int, broadcast: Mapping[str, Tensor],
+                    cohort: Cohort) -> tuple[Uploads, Metrics]:
         self.receive(broadcast)
         if len(cohort.clients) == 0:
             return {}, {}
@@ -94,6 +94,8 @@ class SCAFFOLD(GradientMethod):
         if self.local.momentum:
             raise ValueError(f"SCAFFOLD's option II assumes plain local steps: set local.momentum=0, got "
                              f"{self.local.momentum}")
+        if self.local.lr == 0:
+            raise ValueError("SCAFFOLD's option II divides by the local step size: set local.lr > 0")
 
     def setup_problem(self, problem: Problem) -> None:
         super().setup_problem(problem)
