@@ -194,8 +194,9 @@ def tuned(entry: Entry, args: argparse.Namespace, data: FederatedDataModule, cho
     if entry.tune == "grid" and len(rates) > 1 and lr in (min(rates), max(rates)):
         source += "; at the grid's edge: widen it"
     row = tried[lr]
-    ended = (f"all {budget} rounds, no plateau" if row["rounds"] == budget else
-             f"the rule stopped it after {row['rounds']} of ≤ {budget} rounds")
+    limit = entry.make(lr, budget).num_rounds  # the budget, and any rounds before the method's own
+    ended = (f"all {limit} rounds, no plateau" if row["rounds"] == limit else
+             f"the rule stopped it after {row['rounds']} of ≤ {limit} rounds")
     row["setting"] = f"{entry.setting}; lr {lr:g} ({source}); {ended}"
     row["lr"], row["wall_s"] = lr, sum(r["wall_s"] for r in tried.values())
     row["cpu_s"] = sum(r["cpu_s"] for r in tried.values())
