@@ -1,0 +1,20 @@
+"""benchmarks/analytic_start.py's dry run: every run (FedAvg from scratch and each start, on the
+linear head and the MLP) fits on synthetic blobs and the report has a row and a curve for each;
+a start's accuracy after its two rounds is the analytic head's, before any gradient step."""
+from __future__ import annotations
+
+from benchmarks import analytic_start
+
+
+def test_the_dry_run_reports_every_run(tmp_path):
+    out = tmp_path / "analytic_start.md"
+    analytic_start.main(["--dry_run", "--out", str(out)])
+    text = out.read_text()
+    table = [line for line in text.splitlines() if line.startswith("| head |") or line.startswith("| mlp |")]
+    assert [line.split(" | ")[1] for line in table] == [name.split("/")[1] for name in analytic_start.RUNS]
+    for line in table:
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        scratch = cells[1] == "FedAvg"
+        assert (cells[3] == "—") == scratch  # after the start: only the starts have one
+        assert int(cells[6]) == (2 if scratch else 4)  # the two start rounds come before FedAvg's two
+    assert "Test accuracy by round" in text
