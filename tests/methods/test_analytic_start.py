@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from tests.conftest import relative_error
 from tests.methods.conftest import data, fit64
 from workbench.data import FederatedDataModule, SyntheticBlobs
+from workbench.federation import Federation
 from workbench.federation.local_training import LocalTraining
 from workbench.methods import AFL, GHOFL, SCAFFOLD, Ditto, Fed3R, FedAvg, FedNCM, FedProx
 from workbench.methods.analytic_start import ABSENT_LOGIT, AnalyticStart, activations
@@ -179,3 +180,13 @@ def test_bad_settings_are_one_clear_error():
         FedAvg(architecture="linear", init_from=AnalyticStart(method="AFL", fixed_head=True))
     with pytest.raises(ValueError, match="Ditto's personal models"):
         Ditto(init_from=AnalyticStart(method="AFL"))
+
+
+@pytest.mark.parametrize("protocol", [Federation(dp_sigma=1e-3), Federation(dp_clip=0.1, dp_noise_multiplier=0.5)],
+                         ids=["dp_sigma", "client_dp"])
+def test_differential_privacy_is_refused_before_the_fit(protocol):
+    from workbench.engines import LightningEngine
+
+    engine = LightningEngine(FedAvg(architecture="linear", init_from=start("AFL")), protocol)
+    with pytest.raises(ValueError, match="no differential-privacy accounting"):
+        engine.check_data(data(num_clients=3), fitting=True)

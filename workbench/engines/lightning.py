@@ -195,6 +195,7 @@ class LightningEngine(LightningModule):
 
     def _check_protocol(self) -> None:
         name, protocol, spec = type(self.method).__name__, self.federation, self.method.uploads
+        self.method.check_protocol(protocol)
         stacked = sorted(codec.stacked_names(spec))
         if protocol.secure_aggregation and stacked:
             raise ValueError(f"secure aggregation reveals only a sum, but {name} sends per-client uploads "

@@ -244,6 +244,10 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
         raise NotImplementedError
 
     # ---- optional ---------------------------------------------------------------------------
+    def check_protocol(self, federation: Federation) -> None:
+        """Refuse, in one error naming the fix, a protocol this method cannot run (checked before
+        the run folder exists); the engine checks what holds for every method."""
+
     def statistics_sensitivity(self, feature_norm: float) -> float | None:
         """The L2 sensitivity of one round's summed statistics to one sample whose feature row has
         norm ≤ B (`federation.feature_clip`; 0: rows not clipped), for `privacy/epsilon` under

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from workbench.federation.local_training import LocalTraining, local_sgd
+from workbench.federation.protocol import Federation
 from workbench.methods.analytic_start import NO_START, START_UPLOADS, AnalyticStart, activations, head_names, load_head
 from workbench.methods.base import ClientHalf, Cohort, FederatedMethod, Metrics, Problem, RoundPlan, Uploads
 from workbench.methods.heads import Architecture, build_model
@@ -263,11 +264,13 @@ class GradientMethod(FederatedMethod):
             return RoundPlan(available, self.start_broadcast())
         return RoundPlan(self.sample_clients(available), self.broadcast())
 
+    def check_protocol(self, federation: Federation) -> None:
+        if self.init_from.enabled and (federation.dp_sigma > 0 or federation.client_level_dp):
+            raise ValueError("the analytic start's statistics have no differential-privacy accounting yet: set "
+                             "model.init_from.method=none, or federation.dp_sigma=0 and federation.dp_clip=0")
+
     def start_broadcast(self) -> dict[str, Tensor]:
         """Start round 0: w₀ as its seed; round 1: the candidate head whose τ the clients score."""
-        if self.federation.dp_sigma > 0 or self.federation.dp_clip > 0:
-            raise ValueError("the analytic start's statistics have no differential-privacy accounting yet: "
-                             "use init_from.method=none with federation.dp_sigma / dp_clip")
         if self.round == 0:
             return {"seed": torch.tensor(self.seed, dtype=torch.int64)}
         return {"start_weight": self.start_candidate_weight, "start_bias": self.start_candidate_bias}
