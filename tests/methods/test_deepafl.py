@@ -14,9 +14,10 @@ from workbench.data import FederatedDataModule, SyntheticBlobs
 from workbench.engines import LightningEngine
 from workbench.engines.local import LocalClients
 from workbench.federation import Federation
-from workbench.federation.messages import SEED_BYTES
+from workbench.federation.messages import SEED_BYTES, messages_bytes
 from workbench.methods import DeepAFL, Problem
 from workbench.methods.deepafl import (
+    omega_from_factors,
     random_layer,
     solve_omega,
     solve_omega_eigh,
@@ -38,6 +39,15 @@ def data(batch_size: int = 4096, **partition) -> FederatedDataModule:
 
 def one_hot(labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.one_hot(labels, BLOBS.num_classes).double()
+
+
+def downlink_numbers(schedule: str, num_layers: int, h: int, f: int, classes: int) -> int:
+    """Numbers one client receives over a fit with every client in every round (the seed aside):
+    each Ω_t once, as its factors (r(f + h), r = min(h, C)) where smaller than f·h; W_{t−1} with
+    each two_round Ω round; W_T with the final broadcast."""
+    omega = min(min(h, classes) * (f + h), f * h)
+    classifiers = 1 if schedule == "fused" else num_layers + 1
+    return classifiers * h * classes + num_layers * omega
 
 
 @pytest.mark.parametrize("h, classes", [(16, 5), (64, 3), (4, 7), (6, 6)])
@@ -213,7 +223,8 @@ def test_dropouts_give_the_centralized_solves_on_each_rounds_participants(fit_me
         per_round = [phi_stats] + [hidden_stats, phi_stats] * num_layers
         flags = 0
     assert engine.fit_metrics["comm/bytes_up"] == 8 * sum(n * b for n, b in zip(survivors, per_round, strict=True))
-    down = SEED_BYTES + (num_layers + 1) * h * classes * 8 + num_layers * f * h * 8 + flags
+    # a dropped client receives the broadcast: the downlink is that of full participation
+    down = SEED_BYTES + downlink_numbers(schedule, num_layers, h, SMALL["block_dim"], classes) * 8 + flags
     assert engine.fit_metrics["comm/bytes_down"] == down * num_clients
 
 
@@ -240,16 +251,87 @@ def test_without_dropouts_the_fused_clients_send_no_restated_statistics():
     dm = data(partition="iid", num_clients=2)
     method.setup(Problem((dm.feature_dim,), dm.num_classes, dm.num_clients))
     clients = torch.arange(2)
-    assert not method.restates
+    assert not method.restates and method.factored  # r(f + h) = 4·28 < f·h = 192
+    method.rounds_done += 1  # fused clients upload FᵀY and M, so no round sends them W_{t−1}
+    assert set(method.plan_round(clients).broadcast) == set()
     method.rounds_done += 1
-    assert set(method.plan_round(clients).broadcast) == {"classifier"}
-    method.rounds_done += 1
-    assert set(method.plan_round(clients).broadcast) == {"classifier", "omega"}
+    assert set(method.plan_round(clients).broadcast) == {"omega_left", "omega_right"}
     method.federation = Federation(dropout=0.2)
     method.rounds_done += 1
-    assert method.restates and set(method.plan_round(clients).broadcast) == {"classifier", "omega", "restate"}
+    assert method.restates and set(method.plan_round(clients).broadcast) == {"omega_left", "omega_right", "restate"}
     method.federation = Federation(sample_rate=0.5)
     assert method.restates
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("protocol", ["all", "dropout", "sampled"])
+def test_the_factored_broadcast_gives_the_dense_broadcasts_model(monkeypatch, fit_method, schedule, protocol):
+    """Ω_t sent as its factors L_t, U_t (r(f + h) numbers) or dense (f·h, as before): the same Ω_t
+    and W_t in float64, and the clients hold the server's Ω_t bit for bit, also when they catch up
+    on Ω_t they missed (cohorts) or dropped out; the downlink is smaller by the factors' saving on
+    every Ω_t a client receives."""
+    num_clients, num_layers = 6, 4
+    h, f, classes = SMALL["hidden_dim"], SMALL["block_dim"], BLOBS.num_classes
+    federation = {"all": None, "dropout": Federation(dropout=0.34, seed=4),
+                  "sampled": Federation(sample_rate=0.5, seed=3)}[protocol]
+    dm = data(partition="dirichlet", alpha=0.5, num_clients=num_clients, batch_size=64)
+    runs = {}
+    for factored in (True, False):
+        with monkeypatch.context() as patch:
+            if not factored:  # the dense broadcast of every Ω_t
+                patch.setattr(DeepAFL, "factored", property(lambda self: False))
+            method = DeepAFL(num_layers=num_layers, schedule=schedule, seed=2, **SMALL)
+            engine = fit_method(method, dm, federation)
+            assert method.factored == factored
+        torch.testing.assert_close(engine.client_half.omega, method.omega, rtol=0, atol=0)
+        runs[factored] = (method, engine.fit_metrics["comm/bytes_down"])
+    (method, down), (dense, dense_down) = runs[True], runs[False]
+    assert relative_error(method.omega, dense.omega) <= 1e-10
+    assert relative_error(method.classifier, dense.classifier) <= 1e-10
+    assert method.depth_accuracy == pytest.approx(dense.depth_accuracy, abs=1e-12)
+    saving = (f * h - min(h, classes) * (f + h)) * 8  # bytes per Ω_t received
+    received, rest = divmod(dense_down - down, saving)  # Ω_t received, summed over the clients
+    assert rest == 0
+    if protocol == "sampled":  # some clients missed Ω_t and caught up on them
+        assert received >= num_layers * num_clients
+    else:
+        assert received == num_layers * num_clients
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_the_papers_shape_receives_over_30_times_fewer_bytes(schedule):
+    """h = f = 1024, C = 10, T = 20 in float64 (the official setting): every round's broadcast
+    and the final one, counted as the engine counts them (`messages_bytes`), hold the factors of
+    each Ω_t (20 480 numbers, not 1 048 576) and, fused, only W_T: 50× (fused) and 34× (two_round)
+    fewer bytes than every Ω_t dense and every W_t once."""
+    num_layers, h, classes = 20, 1024, 10
+    method = DeepAFL(num_layers=num_layers, hidden_dim=h, block_dim=h, schedule=schedule)
+    method.setup(Problem((8,), classes, 2))
+    clients = torch.arange(2)
+    received = 0
+    for _ in range(method.num_rounds):
+        received += messages_bytes(method.plan_round(clients).broadcast)
+        method.rounds_done += 1
+    received += messages_bytes(method.final_broadcast())
+    assert received == SEED_BYTES + downlink_numbers(schedule, num_layers, h, h, classes) * 8
+    dense = SEED_BYTES + ((num_layers + 1) * h * classes + num_layers * h * h) * 8  # 169.49 MB
+    assert dense / received >= (50 if schedule == "fused" else 33)
+
+
+def test_a_checkpoint_without_the_factors_takes_them_from_its_omega(fit_method):
+    """A checkpoint from before Ω_t's factors were kept loads with factors from the SVD of its
+    Ω_t (rank ≤ C), which rebuild Ω_t to rounding; its Ω_t itself is kept as saved."""
+    dm = data(partition="iid", num_clients=3)
+    method = DeepAFL(num_layers=3, **SMALL)
+    fit_method(method, dm)
+    state = {name: value for name, value in method.state_dict().items() if name not in ("omega_left", "omega_right")}
+    loaded = DeepAFL(num_layers=3, **SMALL)
+    loaded.setup(method.problem)
+    loaded.load_state_dict(state)
+    assert torch.equal(loaded.omega, method.omega)
+    for t in range(3):
+        rebuilt = omega_from_factors(loaded.omega_left[t], loaded.omega_right[t])
+        assert relative_error(rebuilt, method.omega[t]) <= 1e-12
 
 
 @pytest.mark.parametrize("activation", ["gelu", "relu", "tanh", "sigmoid"])
@@ -321,8 +403,8 @@ def test_bytes_are_the_analytic_count_and_nothing_random_is_sent(fit_method, sch
     assert engine.fit_metrics["comm/rounds"] == rounds
     assert engine.fit_metrics["comm/bytes_up_per_client"] == per_client
     assert engine.fit_metrics["comm/bytes_up"] == per_client * num_clients
-    # every W_t and Ω_t once, in both schedules (fused: Ω_T with W_T in the final broadcast)
-    down = SEED_BYTES + ((num_layers + 1) * h * classes + num_layers * f * h) * itemsize
+    # every Ω_t once, as its factors (fused: Ω_T with W_T in the final broadcast, no W_{t−1} before)
+    down = SEED_BYTES + downlink_numbers(schedule, num_layers, h, f, classes) * itemsize
     assert engine.fit_metrics["comm/bytes_down"] == down * num_clients
 
 
@@ -443,12 +525,15 @@ def test_validation_while_fitting_scores_the_model_of_every_round(fit_method, sc
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_a_resumed_fit_gives_the_same_model(fit_method, tmp_path, schedule):
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_resumed_fit_gives_the_same_model(fit_method, tmp_path, schedule, sampled):
     """Stopping after 3 rounds and resuming from the checkpoint rebuilds the per-sample features
-    (fused: the server's G, P come from the checkpoint)."""
+    (fused: the server's G, P come from the checkpoint; sampled cohorts: the Ω_t factors a client
+    missed come from it)."""
     dm = data(partition="dirichlet", alpha=0.5, num_clients=5, batch_size=128)
+    federation = Federation(sample_rate=0.6, seed=1) if sampled else None
     whole = DeepAFL(num_layers=3, schedule=schedule, **SMALL)
-    fit_method(whole, dm)
+    whole_engine = fit_method(whole, dm, federation)
 
     def trainer(rounds: int) -> Trainer:
         return Trainer(max_epochs=rounds, logger=False, enable_checkpointing=False,
@@ -456,7 +541,7 @@ def test_a_resumed_fit_gives_the_same_model(fit_method, tmp_path, schedule):
 
     first_part = trainer(3)
     part = DeepAFL(num_layers=3, schedule=schedule, **SMALL)
-    first_part.fit(LightningEngine(part), datamodule=dm)
+    first_part.fit(LightningEngine(part, federation), datamodule=dm)
     assert part.round == 3
     first_part.save_checkpoint(tmp_path / "part.ckpt")
     saved = torch.load(tmp_path / "part.ckpt", weights_only=False)["state_dict"]
@@ -465,11 +550,13 @@ def test_a_resumed_fit_gives_the_same_model(fit_method, tmp_path, schedule):
                    for name in saved)  # ...not their per-sample caches
     resumed = DeepAFL(num_layers=3, schedule=schedule, **SMALL)
     # the checkpoint holds the data module's hyperparameters (a SyntheticBlobs): our own file
-    trainer(resumed.num_rounds).fit(LightningEngine(resumed), datamodule=dm, ckpt_path=tmp_path / "part.ckpt",
-                                    weights_only=False)
+    engine = LightningEngine(resumed, federation)
+    trainer(resumed.num_rounds).fit(engine, datamodule=dm, ckpt_path=tmp_path / "part.ckpt", weights_only=False)
     assert resumed.fitted
     assert relative_error(resumed.classifier, whole.classifier) <= 1e-10
     assert relative_error(resumed.omega, whole.omega) <= 1e-10
+    torch.testing.assert_close(engine.client_half.omega, resumed.omega, rtol=0, atol=0)
+    assert engine.fit_metrics["comm/bytes_down"] == whole_engine.fit_metrics["comm/bytes_down"]
 
 
 def test_cli_logs_every_depth_and_the_checkpoint_restores_the_model(tmp_path):

@@ -27,18 +27,32 @@ upload FᵀF packed and FᵀR, f × C; broadcast W_{t−1}) and one for W_t (cli
 packed and Φ_tᵀY, h × C; broadcast Ω_t). After the last round (`final_broadcast`) W_T.
 
 `fused` (T + 1 rounds, the default): round 0 as above, and the server keeps
-G₀ = ΣΦ₀ᵀΦ₀ and P₀ = ΣΦ₀ᵀY. Round t (broadcast W_{t−1} and Ω_{t−1}, t ≥ 2) each client advances
+G₀ = ΣΦ₀ᵀΦ₀ and P₀ = ΣΦ₀ᵀY. Round t (broadcast Ω_{t−1}, t ≥ 2) each client advances
 its kept Φ_{t−2} by its kept F_{t−1}: Φ_{t−1} = Φ_{t−2} + F_{t−1}Ω_{t−1}, computes F_t once and keeps
-it, and uploads FᵀF (packed), FᵀR (f × C, as FᵀY − M_tᵀW_{t−1}) and M_t = Φ_{t−1}ᵀF_t (h × f). The
-server solves Ω_t and then, as Φ_t = Φ_{t−1} + F_tΩ_t,
+it, and uploads FᵀF (packed), FᵀY (f × C) and M_t = Φ_{t−1}ᵀF_t (h × f). The server forms
+FᵀR = FᵀY − M_tᵀW_{t−1}, solves Ω_t and then, as Φ_t = Φ_{t−1} + F_tΩ_t,
 
     ΣΦ_tᵀΦ_t = G_{t−1} + M_tΩ_t + (M_tΩ_t)ᵀ + Ω_tᵀ(ΣF_tᵀF_t)Ω_t
     ΣΦ_tᵀY   = P_{t−1} + Ω_tᵀ(ΣF_tᵀR + M_tᵀW_{t−1})          (= P_{t−1} + Ω_tᵀ ΣF_tᵀY)
 
-keeps them as G_t, P_t, solves W_t in the same round; `final_broadcast` sends Ω_T and W_T. Every
-W_t and Ω_t is broadcast once in both schedules (the same bytes down); fused uploads M_t (h·f per
-layer) instead of the W_t round's Φ_tᵀΦ_t and Φ_tᵀY (h(h+1)/2 + h·C): at h = f that is more bytes
-up, in half the rounds. With Ω = L U_cᵀ the server's update costs O(h²C + f²C), not O(h²f).
+keeps them as G_t, P_t, solves W_t in the same round; `final_broadcast` sends Ω_T and W_T. Fused
+uploads M_t (h·f per layer) instead of the W_t round's Φ_tᵀΦ_t and Φ_tᵀY (h(h+1)/2 + h·C): at
+h = f that is more bytes up, in half the rounds. With Ω = L U_cᵀ the server's update costs
+O(h²C + f²C), not O(h²f).
+
+Downlink: every Ω_t is broadcast once, as its factors L_t (f × r) and U_t (h × r) whenever
+r(f + h) < f·h (`factored`), else as Ω_t; the clients rebuild Ω_t = L_t U_tᵀ as the server forms
+its own (`omega_from_factors`), so they hold the server's Ω_t bit for bit (where both multiply
+alike: the same device and library). The fused clients upload FᵀY, not FᵀR, and never read
+W_{t−1}, so its rounds do not carry it; only the final broadcast carries W_T. Per client over a
+fit, with every client in every round (itemsize b):
+
+    fused      8 + (h·C + T·r(f + h))·b
+    two_round  8 + ((T + 1)·h·C + T·r(f + h))·b
+    dense      8 + ((T + 1)·h·C + T·f·h)·b        (every Ω_t as f × h and every W_t, both schedules)
+
+at h = f = 1024, C = 10, T = 20 in float64: 3.36 MB and 5.00 MB instead of 169.49 MB, 50× and 34×
+less (benchmarks/results/deepafl_downlink.md).
 
 Dropouts (`federation.dropout > 0`): G_{t−1}, P_{t−1} are sums over round t−1's participants and
 M_t, FᵀF over round t's, so the recursion is exact only when they are the same clients. Under
@@ -141,6 +155,15 @@ def solve_omega_factors(hidden_gram: Tensor, hidden_residual: Tensor, classifier
     u, s_w, q_t = torch.linalg.svd(classifier, full_matrices=False)  # W = U_c diag(s) Qᵀ
     rotated = (v.T @ hidden_residual) @ (q_t.T * s_w)  # Vᵀ FᵀR Wᵀ U_c = Vᵀ FᵀR Q diag(s), (f, r)
     return v @ (rotated / (gamma_s + s_f[:, None] * (s_w * s_w)[None, :])), u
+
+
+def omega_from_factors(left: Tensor, right: Tensor) -> Tensor:
+    """Ω = L Uᵀ from L (f, r) and U (h, r) as they are broadcast, in their dtype -> (f, h).
+
+    The product is taken in SOLVE_DTYPE and cast back (in float32 only the factors are rounded).
+    The server forms its Ω_t from the factors it sends in exactly this way, so that a client that
+    receives them holds the server's Ω_t bit for bit."""
+    return (left.to(SOLVE_DTYPE) @ right.to(SOLVE_DTYPE).T).to(left.dtype)
 
 
 def solve_omega(hidden_gram: Tensor, hidden_residual: Tensor, classifier: Tensor,
@@ -255,8 +278,14 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
 
     def _receive_omega(self, broadcast, layers: int) -> None:
         """Keep the Ω_t a broadcast carries: the last of Ω_1..Ω_`layers`, as many as were sent (one
-        when the client took part in every round; more when cohort sampling made it miss some)."""
-        if "omega" in broadcast:
+        when the client took part in every round; more when cohort sampling made it miss some),
+        dense or as factors L_t, U_t (rebuilt as the server forms its Ω_t: `omega_from_factors`)."""
+        if "omega_left" in broadcast:
+            left, right = broadcast["omega_left"].to(self.omega), broadcast["omega_right"].to(self.omega)
+            first = layers - len(left)
+            for k in range(len(left)):  # one layer at a time, as the server: the same bits
+                self.omega[first + k] = omega_from_factors(left[k], right[k])
+        elif "omega" in broadcast:
             omega = broadcast["omega"].to(self.omega)
             self.omega[layers - len(omega):layers] = omega
 
@@ -287,8 +316,9 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
         return self._keep(rows, phi, depth)
 
     def _fused_update(self, round_index, broadcast, cohort: Cohort):
-        """Round t of the fused schedule: FᵀF, FᵀR and M = Φ_{t−1}ᵀF of F_t (kept for the next round),
-        and, when the server asks (`restate`, under dropouts), Φ_{t−1}ᵀΦ_{t−1} and Φ_{t−1}ᵀY."""
+        """Round t of the fused schedule: FᵀF, FᵀY and M = Φ_{t−1}ᵀF of F_t (kept for the next round),
+        and, when the server asks (`restate`, under dropouts), Φ_{t−1}ᵀΦ_{t−1} and Φ_{t−1}ᵀY. Reads
+        no W_{t−1} (the server forms FᵀR), so the broadcast carries none."""
         layer, classes = round_index, self.num_classes
         h, f = self.hidden_dim, self.block_dim
         self._receive_omega(broadcast, layer - 1)  # Ω_{t−1} (and any missed before it)
@@ -446,6 +476,10 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         register_random_layers(self, self.seed, problem.feature_dim, h, f, layers, self.stat_dtype,
                                persistent=True)
         self.register_buffer("omega", torch.zeros(layers, f, h, dtype=self.stat_dtype))  # Ω_t (T, f, h)
+        # Ω_t = L_t U_tᵀ as broadcast: L_t (T, f, r), U_t (T, h, r); kept for clients that catch up later
+        rank = min(h, problem.num_classes)
+        self.register_buffer("omega_left", torch.zeros(layers, f, rank, dtype=self.stat_dtype))
+        self.register_buffer("omega_right", torch.zeros(layers, h, rank, dtype=self.stat_dtype))
         self.register_buffer("classifier",  # W_t (T + 1, h, C), t = 0..T
                              torch.zeros(layers + 1, h, problem.num_classes, dtype=self.stat_dtype))
         # how many Ω_t each client holds: a cohort's broadcast carries those its least informed lacks
@@ -454,6 +488,12 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
             # kept in SOLVE_DTYPE: the recursion adds to them every layer
             self.register_buffer("phi_gram", torch.zeros(h, h, dtype=SOLVE_DTYPE))
             self.register_buffer("phi_cross", torch.zeros(h, problem.num_classes, dtype=SOLVE_DTYPE))
+
+    @property
+    def factored(self) -> bool:
+        """Whether Ω_t travels as its factors L_t, U_t: r(f + h) numbers instead of f·h."""
+        rank = self.omega_left.shape[-1]
+        return rank * (self.block_dim + self.hidden_dim) < self.block_dim * self.hidden_dim
 
     def client_half(self) -> DeepAFLClient:
         return DeepAFLClient(self.problem, self)
@@ -465,13 +505,14 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
     # ---- rounds -----------------------------------------------------------------------------
     def plan_round(self, available: Tensor) -> RoundPlan:
         """Round 0: the seed of the random layers (SEED_BYTES); the Ω_t round: W_{t−1}; the W_t round: Ω_t.
-        Fused round t: W_{t−1} and Ω_{t−1} (t ≥ 2), and under dropouts or cohort sampling the
-        `restate` flag (1 byte). Ω goes as a stack (`_with_omega`): one Ω_t when every client took
-        part in every round, more when a sampled cohort holds a client that missed some."""
+        Fused round t: Ω_{t−1} (t ≥ 2; not W_{t−1}, which its clients do not read), and under
+        dropouts or cohort sampling the `restate` flag (1 byte). Ω goes as a stack (`_with_omega`):
+        one Ω_t when every client took part in every round, more when a sampled cohort holds a
+        client that missed some."""
         layer, solves_omega = round_plan(self.round, self.schedule)
         if self.round == 0:
             return RoundPlan(available, {"seed": torch.tensor(self.seed, dtype=torch.int64)})
-        message = {"classifier": self.classifier[layer - 1]} if self.fused or solves_omega else {}
+        message = {"classifier": self.classifier[layer - 1]} if not self.fused and solves_omega else {}
         if self.fused and self.restates:
             message["restate"] = torch.tensor(True)
         layers = self._omega_needed(self.round)
@@ -486,10 +527,23 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         return max(layer - 1, 0) if self.fused or solves_omega else layer
 
     def _with_omega(self, message: dict[str, Tensor], clients: Tensor, layers: int) -> dict[str, Tensor]:
-        """`message` and, under `omega`, Ω_{s+1..layers}: what the least informed of `clients` lacks
-        (s = the fewest Ω_t any of them holds); none when they hold them all."""
+        """`message` and Ω_{s+1..layers}: what the least informed of `clients` lacks (s = the fewest
+        Ω_t any of them holds), as factors under `omega_left`, `omega_right` (`factored`) or under
+        `omega`; none when they hold them all."""
         known = int(self.omega_sent[clients].min()) if len(clients) else layers
-        return {**message, "omega": self.omega[known:layers]} if known < layers else message
+        if known >= layers:
+            return message
+        if self.factored:
+            return {**message, "omega_left": self.omega_left[known:layers],
+                    "omega_right": self.omega_right[known:layers]}
+        return {**message, "omega": self.omega[known:layers]}
+
+    def _keep_omega(self, layer: int, left: Tensor, right: Tensor) -> None:
+        """Ω_t = L U_cᵀ, kept as the factors broadcast (in `dtype`) and formed from them as the
+        clients form it (`omega_from_factors`; in float64 the solve's L U_cᵀ to rounding)."""
+        self.omega_left[layer - 1] = left.to(self.stat_dtype)
+        self.omega_right[layer - 1] = right.to(self.stat_dtype)
+        self.omega[layer - 1] = omega_from_factors(self.omega_left[layer - 1], self.omega_right[layer - 1])
 
     def _omega_scale(self, spectral_norm: Tensor) -> float:
         """The factor that brings ‖Ω_t‖₂ within `omega_norm` (1 without a bound, or within it)."""
@@ -543,7 +597,7 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
             hidden_residual = hidden_labels - mixed.T @ previous  # FᵀR = FᵀY − MᵀW_{t−1}
             left, right = solve_omega_factors(hidden_gram, hidden_residual, previous, self.gamma_s)
             left = left * self._omega_scale(torch.linalg.matrix_norm(left, 2))  # ‖Ω_t‖₂ = ‖L‖₂
-            self.omega[layer - 1] = (left @ right.T).to(self.stat_dtype)
+            self._keep_omega(layer, left, right)
             coupling = (mixed @ left) @ right.T  # M_t Ω_t, (h, h)
             inner = right @ ((left.T @ hidden_gram @ left) @ right.T)  # Ω_tᵀ FᵀF Ω_t
             gram = gram + coupling + coupling.T + (inner + inner.T) / 2
@@ -561,18 +615,18 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
             return self._fused_server_update(uploads)
         layer, solves_omega = round_plan(self.round)
         if solves_omega:
-            omega = solve_omega(uploads["hidden_gram"], uploads["hidden_residual"],
-                                self.classifier[layer - 1].to(SOLVE_DTYPE), self.gamma_s)
-            omega = omega * self._omega_scale(torch.linalg.matrix_norm(omega, 2))
-            self.omega[layer - 1] = omega.to(self.stat_dtype)
+            left, right = solve_omega_factors(uploads["hidden_gram"], uploads["hidden_residual"],
+                                              self.classifier[layer - 1].to(SOLVE_DTYPE), self.gamma_s)
+            left = left * self._omega_scale(torch.linalg.matrix_norm(left, 2))  # ‖Ω_t‖₂ = ‖L‖₂
+            self._keep_omega(layer, left, right)
             return {}
         self._solve_classifier(layer, uploads["gram"], uploads["cross"])
         return {}
 
     def final_broadcast(self) -> dict[str, Tensor]:
-        """W_T, the classifier of the last depth, and the Ω_t some client lacks: Ω_T in `fused`
-        (not sent before), and under cohort sampling those a client missed (every client receives
-        the final model, sampled or not: all Ω_t when one never took part)."""
+        """W_T, the classifier of the last depth, and the Ω_t some client lacks (`_with_omega`): Ω_T
+        in `fused` (not sent before), and under cohort sampling those a client missed (every client
+        receives the final model, sampled or not: all Ω_t when one never took part)."""
         everyone = torch.arange(self.problem.num_clients, device=self.omega_sent.device)
         return self._with_omega({"classifier": self.classifier[self.depth]}, everyone, self.depth)
 
@@ -582,6 +636,16 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         if rounds is not None and prefix + "omega_sent" not in state_dict:
             sent = self._omega_needed(int(rounds) - 1) if int(rounds) > 0 else 0
             state_dict[prefix + "omega_sent"] = torch.full_like(self.omega_sent, sent)
+        omega = state_dict.get(prefix + "omega")
+        if omega is not None and prefix + "omega_left" not in state_dict:
+            # a checkpoint from before the factors were kept: those of its Ω_t (rank ≤ r) from their
+            # SVD, Ω_t = (P_t S_t) Q_tᵀ, for clients that catch up on them (Ω_t to rounding)
+            p, s, q_t = torch.linalg.svd(omega.to(SOLVE_DTYPE), full_matrices=False)
+            kept = min(self.omega_left.shape[-1], s.shape[-1])  # the rest are zero columns
+            left, right = torch.zeros_like(self.omega_left), torch.zeros_like(self.omega_right)
+            left[..., :kept] = p[..., :kept] * s[..., None, :kept]
+            right[..., :kept] = q_t[..., :kept, :].mT
+            state_dict[prefix + "omega_left"], state_dict[prefix + "omega_right"] = left, right
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     # ---- accuracy at every depth ------------------------------------------------------------
