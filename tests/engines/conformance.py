@@ -64,7 +64,12 @@ METHODS = {
     # arithmetic: measured 1.05e-6 after 3 rounds
     "OSFED": (lambda: OSFED(**GRADIENT, snapshot=Snapshot(grid_size=1, lbfgs_steps=3)), 1e-5),
     "SCAFFOLD": (lambda: SCAFFOLD(sample_fraction=0.67, **GRADIENT), 1e-6),
+    # a trainable tail (data.trainable_tail): the synthetic data's seeded tail and a linear head, its
+    # parameters in every update
+    "FedAvg-tail": (lambda: FedAvg(**{**GRADIENT, "architecture": "tail"}), 1e-6),
 }
+#: rows whose data differ from `data()`'s: their extra data settings
+DATA = {"FedAvg-tail": {"trainable_tail": 1}}
 # the protocol's parts each method supports (secure aggregation and noise need summed uploads)
 PROTOCOLS = {
     "dropout": Federation(dropout=0.34, seed=2),
@@ -89,10 +94,11 @@ def supports(name: str, protocol: str) -> bool:
     return name != "LocalOnly"  # no round to drop out of
 
 
-def data(num_clients: int = 3) -> FederatedDataModule:
+def data(num_clients: int = 3, name: str | None = None) -> FederatedDataModule:
+    """The matrix's data; for row `name` with its `DATA` settings."""
     dm = FederatedDataModule(dataset="synthetic", synthetic=BLOBS, num_clients=num_clients, partition="dirichlet",
                              alpha=0.5, min_partition_size=10, batch_size=64, personalized=True,
-                             local_test_fraction=0.25)
+                             local_test_fraction=0.25, **DATA.get(name or "", {}))
     dm.setup()
     return dm
 
@@ -115,7 +121,7 @@ def ddp_main(out_dir: str) -> None:
         trainer = Trainer(max_epochs=max(method.num_rounds, 1), strategy=FederatedDDPStrategy(), devices=2,
                           accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                           enable_model_summary=False, num_sanity_val_steps=0)
-        dm = data()
+        dm = data(name=name)
         trainer.fit(engine, datamodule=dm)
         tested = trainer.test(engine, datamodule=dm, verbose=False)
         if trainer.is_global_zero:

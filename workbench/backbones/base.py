@@ -42,6 +42,10 @@ class Backbone:
             weights, "random-init:seed=<s>" for a random init.
         feature_layers: inner layers whose pooled outputs precede the final vector in the
             features (`workbench.backbones.layers.with_layers`); () for the final vector only.
+        tail_input: for the features of a trainable tail (`workbench.backbones.tail.with_tail_input`),
+            the module whose input map the features are, flattened; "" for pooled features.
+        feature_shape: the shape of one feature row before flattening ((C, H, W) for a tail's
+            input map); () for a vector.
     """
 
     name: str
@@ -52,6 +56,8 @@ class Backbone:
     std: RGB
     weights_id: str
     feature_layers: tuple[str, ...] = ()
+    tail_input: str = ""
+    feature_shape: tuple[int, ...] = ()
 
 
 class FrozenFeatureExtractor(nn.Module):

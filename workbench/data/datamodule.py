@@ -80,6 +80,15 @@ def check_inputs(dataset: str, inputs: str, backbone: str, cache_dir: str, hf: O
                          + (" or any timm model name" if kind == "image" else ""))
     check_writable(cache_dir, dataset)
 
+def _is_text_backbone(backbone: str) -> bool:
+    from workbench.backbones import backbone_modality
+
+    try:
+        return backbone_modality(backbone) == "text"
+    except ValueError:  # an unknown name: check_inputs says so
+        return False
+
+
 @dataclass(frozen=True)
 class SyntheticBlobs:
     """Gaussian class blobs drawn directly in feature space (dataset `synthetic`, no backbone).
@@ -163,6 +172,15 @@ class FederatedDataModule(LightningDataModule):
             blocks.4]` (timm module names; text backbones: hidden-state indices);
             `workbench.backbones.layers` says how each is pooled. Part of the cache key; empty:
             the final vector only (the same cache as before the setting existed).
+        trainable_tail: k ≥ 1 leaves the backbone's last k stages trainable
+            (`workbench.backbones.tail`): the cache holds the activation map at their input
+            ((C, H, W) per image, under a key of its own; e.g. (192, 2, 2) for
+            EfficientNet-Lite0 at 64 px, the input of `blocks.6`; ResNet-18's `layer4` input),
+            `tail` is those stages with their pretrained weights (BatchNorms folded into trainable
+            affines), and the gradient methods train it with a linear head (`architecture: tail`).
+            For EfficientNet and ResNet image backbones; `synthetic` has a seeded tail of its own
+            on the blobs as (dim, 1, 1) maps. Analytic methods refuse these inputs (they fit on
+            feature vectors). 0: the pooled features.
         standardize: per-feature standardization from federated sums, before any method sees the
             data: each client sends Σx, Σx² (d each) and its count, the server broadcasts mean and
             std (d each), and every split is mapped to (x − mean) / std. These 2d + 1 numbers up
@@ -219,6 +237,7 @@ class FederatedDataModule(LightningDataModule):
         pooling: str | None = None,
         precision: Literal["float32", "bf16"] = "float32",
         feature_layers: list[str] | None = None,
+        trainable_tail: int = 0,
         standardize: bool = False,
         cache_dir: str = "~/.cache/workbench/features",
         extract_batch_size: int = 256,
@@ -268,6 +287,19 @@ class FederatedDataModule(LightningDataModule):
         if feature_layers and (dataset == "synthetic" or inputs == "images"):
             raise ValueError("data.feature_layers picks backbone layers, and this data has no backbone "
                              f"(dataset {dataset!r}, inputs {inputs!r}): drop feature_layers or use backbone features")
+        if isinstance(trainable_tail, bool) or int(trainable_tail) != trainable_tail or trainable_tail < 0:
+            raise ValueError(f"data.trainable_tail must be an integer ≥ 0 (the backbone's last stages left "
+                             f"trainable), got {trainable_tail!r}")
+        if trainable_tail:
+            if inputs == "images":
+                raise ValueError("data.trainable_tail caches a backbone's inner activations, and data.inputs=images "
+                                 "has no backbone: use data.inputs=features")
+            if feature_layers or standardize:
+                raise ValueError("data.trainable_tail caches the input maps of the backbone's last stages, not "
+                                 "feature vectors: drop data.feature_layers and data.standardize")
+            if dataset != "synthetic" and _is_text_backbone(backbone):
+                raise ValueError(f"data.trainable_tail needs an image backbone with a tail builder (EfficientNet, "
+                                 f"ResNet); {backbone!r} is a text backbone: set data.trainable_tail=0")
         if standardize and inputs == "images":
             raise ValueError("data.standardize applies to feature vectors: use data.inputs=features or drop it")
         by_client = partition == "natural" or (partition == "flower" and (flower or {}).get("by") == "client")
@@ -288,6 +320,7 @@ class FederatedDataModule(LightningDataModule):
         self.synthetic = synthetic
         self.hf = hf
         self._natural_ids: Tensor | None = None  # dataset hf: the train rows' client-column ids
+        self._tail: torch.nn.Module | None = None  # data.trainable_tail: the backbone's last stages
         self._ready = False
 
     # ---- the shape of the problem ---------------------------------------------------------
@@ -301,8 +334,15 @@ class FederatedDataModule(LightningDataModule):
         return self._num_classes
 
     @property
+    def tail(self) -> torch.nn.Module | None:
+        """With data.trainable_tail: the backbone's last stages, pretrained (n, C, H, W) -> (n, d),
+        which the inputs still pass through (`Problem.tail`); None otherwise."""
+        self._require_setup()
+        return self._tail
+
+    @property
     def input_shape(self) -> tuple[int, ...]:
-        """Shape of one input: (d,) for features, (c, H, W) for images."""
+        """Shape of one input: (d,) for features, (c, H, W) for images and a tail's input maps."""
         self._require_setup()
         return tuple(self.train_features.shape[1:])
 
@@ -368,6 +408,11 @@ class FederatedDataModule(LightningDataModule):
         if self.args.dataset == "synthetic":
             x_train, y_train, x_test, y_test = self.synthetic.generate()
             self._num_classes = self.synthetic.num_classes
+            if self.args.trainable_tail:  # the blobs as (dim, 1, 1) maps, a seeded tail of their own
+                from workbench.backbones.tail import synthetic_tail
+
+                x_train, x_test = x_train[:, :, None, None], x_test[:, :, None, None]
+                self._tail = synthetic_tail(self.synthetic.dim, self.args.trainable_tail, self.synthetic.seed)
         elif self.args.inputs == "images":
             x_train, y_train, x_test, y_test = self._images()
         else:
@@ -464,12 +509,20 @@ class FederatedDataModule(LightningDataModule):
         data = self._raw_data()
         self._num_classes = len(data.classes)
         if args.dataset == "hf" and own_modality(self.hf) == "features":  # precomputed: no backbone
+            if args.trainable_tail:
+                raise ValueError("data.trainable_tail needs a backbone, and data.hf.feature_column holds "
+                                 "precomputed features: set data.trainable_tail=0")
             return data.train.features, data.train.labels, data.test.features, data.test.labels
         kind = own_modality(self.hf) if args.dataset == "hf" else dataset_modality(args.dataset)
         backbone = build_backbone(args.backbone, pretrained=args.pretrained, weights_path=args.weights_path,
                                   input_size=args.input_size, mean=args.mean, std=args.std,
                                   max_length=args.max_length, pooling=args.pooling)
         backbone = with_layers(backbone, args.feature_layers)
+        if args.trainable_tail:
+            from workbench.backbones.tail import build_tail, with_tail_input
+
+            self._tail = build_tail(backbone, args.trainable_tail)
+            backbone = with_tail_input(backbone, args.trainable_tail)
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         where = dict(cache_dir=args.cache_dir, dataset=data.name if args.dataset == "hf" else args.dataset,
                      source=data.source, precision=args.precision)
@@ -479,6 +532,8 @@ class FederatedDataModule(LightningDataModule):
             inputs = split.texts if kind == "text" else split.images
             features = cached_features(backbone, inputs, split.labels, split=split_name,
                                        batch_size=args.extract_batch_size, device=device, **where)
+            if backbone.feature_shape:  # a tail's input maps, cached flattened
+                features = features.view(len(features), *backbone.feature_shape)
             splits += [features, split.labels]
         return tuple(splits)
 

@@ -24,7 +24,9 @@ enters the key only when it is not float32, so float32 keys are the ones written
 option existed and old caches stay valid.
 
 Multi-depth features (`backbone.feature_layers`, see `workbench.backbones.layers`) enter the key
-the same way: as `layers` only when some are chosen, so last-layer keys are unchanged.
+the same way: as `layers` only when some are chosen, so last-layer keys are unchanged. So do the
+input maps of a trainable tail (`backbone.tail_input`, `workbench.backbones.tail`): as `tail_input`,
+the module whose input they are, stored flattened (N, C·H·W).
 """
 from __future__ import annotations
 
@@ -304,6 +306,8 @@ def cache_file(backbone, labels: Tensor, *, cache_dir: str | Path, dataset: str,
         fields["precision"] = precision
     if getattr(backbone, "feature_layers", ()):
         fields["layers"] = list(backbone.feature_layers)
+    if getattr(backbone, "tail_input", ""):
+        fields["tail_input"] = backbone.tail_input
     key = cache_key(**fields)
     return key, cache_path(cache_dir, dataset, split, backbone.name, key)
 

@@ -157,7 +157,7 @@ class LightningEngine(LightningModule):
     @staticmethod
     def problem_of(data) -> Problem:
         """The shape of the data module's federated problem."""
-        return Problem(tuple(getattr(data, "input_shape", (data.feature_dim,))), data.num_classes, data.num_clients)
+        return Problem.of(data)
 
     def check_data(self, data, fitting: bool) -> None:
         """Before any run folder exists (the command line calls it once the data is set up): the

@@ -54,11 +54,24 @@ EVAL_ROWS = 1 << 14  # rows a global model scores at once (`FederatedMethod.accu
 
 @dataclass(frozen=True)
 class Problem:
-    """The shape of a federated problem: one input's shape, classes, clients."""
+    """The shape of a federated problem: one input's shape, classes, clients.
+
+    tail: the pretrained layers the inputs still pass through before they are features
+    (`data.trainable_tail`: the backbone's last stages, (n, C, H, W) -> (n, d)), which the
+    gradient methods' `architecture: tail` trains; None for inputs that are features already. The
+    data module's own module (one object, compared by identity): models copy it.
+    """
 
     input_shape: tuple[int, ...]
     num_classes: int
     num_clients: int
+    tail: nn.Module | None = None
+
+    @classmethod
+    def of(cls, data) -> Problem:
+        """The problem of a set-up data module: its input shape, classes, clients and tail."""
+        return cls(tuple(getattr(data, "input_shape", (data.feature_dim,))), data.num_classes, data.num_clients,
+                   getattr(data, "tail", None))
 
     @property
     def feature_dim(self) -> int:
@@ -329,6 +342,11 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
         """Set up for `problem` unless already set up for it (a fitted model stays); True if new."""
         if problem == self.problem:
             return False
+        if self.needs_feature_vectors and problem.tail is not None:
+            raise ValueError(f"{type(self).__name__} fits on feature vectors, and the data holds the input maps of "
+                             f"the backbone's trainable tail {problem.input_shape} (data.trainable_tail): set "
+                             "data.trainable_tail=0 for its pooled features, or train the tail with a gradient "
+                             "method (architecture: tail)")
         if self.needs_feature_vectors and len(problem.input_shape) != 1:
             raise ValueError(f"{type(self).__name__} fits on feature vectors, and the data holds inputs of shape "
                              f"{problem.input_shape}: use data.inputs=features (a backbone's features)")

@@ -166,7 +166,8 @@ class GradientMethod(FederatedMethod):
 
     Args:
         num_rounds: R, communication rounds (one Lightning epoch each).
-        architecture: `linear` or `mlp` head on features, `cnn` on images (`data.inputs: images`).
+        architecture: `linear` or `mlp` head on features, `cnn` on images (`data.inputs: images`),
+            `tail`: the backbone's last stage(s) and a linear head (`data.trainable_tail`).
         hidden_dim: hidden width of the `mlp` head.
         local: local training (`LocalTraining`: epochs, lr, batch_size, lr_schedule, momentum, ...).
         sample_fraction: q, share of the clients sampled each round.
@@ -194,8 +195,8 @@ class GradientMethod(FederatedMethod):
             raise ValueError(f"server_lr must be > 0, got {server_lr}")
         if not 0 < sample_fraction <= 1:
             raise ValueError(f"sample_fraction must be in (0, 1], got {sample_fraction}")
-        if architecture not in ("linear", "mlp", "cnn"):
-            raise ValueError(f"unknown architecture {architecture!r}; choose linear, mlp or cnn")
+        if architecture not in ("linear", "mlp", "cnn", "tail"):
+            raise ValueError(f"unknown architecture {architecture!r}; choose linear, mlp, cnn or tail")
         if not isinstance(init_from, AnalyticStart):
             raise TypeError(f"init_from must be an AnalyticStart (method, settings, ...), got "
                             f"{type(init_from).__name__}")
@@ -220,7 +221,7 @@ class GradientMethod(FederatedMethod):
     def build_net(self, problem: Problem) -> nn.Module:
         """w₀: the model initialized from the seed (the same on the server and every client)."""
         return build_model(self.architecture, problem.input_shape, problem.num_classes,
-                           hidden_dim=self.hidden_dim, seed=self.seed)
+                           hidden_dim=self.hidden_dim, seed=self.seed, tail=problem.tail)
 
     def setup_problem(self, problem: Problem) -> None:
         self.net = self.build_net(problem)
