@@ -1,14 +1,20 @@
 """SecAgg+: sparse-graph masks, self-masks and Shamir recovery give the exact sum, and fail loudly."""
 from __future__ import annotations
 
+import hashlib
+
+import numpy as np
 import pytest
 import torch
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from tests.conftest import relative_error
 from workbench.data import FederatedDataModule, SyntheticBlobs
 from workbench.federation import Federation, shamir
 from workbench.federation.local_training import LocalTraining
 from workbench.federation.secure_aggregation import (
+    RING_MASK,
+    MaskStreams,
     SecureAggregator,
     binomial_tail,
     harary_neighbours,
@@ -49,11 +55,60 @@ def test_any_t_shares_reconstruct_the_secret_and_fewer_are_refused():
         assert shamir.reconstruct({**three, -1: candidate}, 4) == candidate  # x = 0 holds f(0)
 
 
+def test_split_deals_what_share_gives_each_holder():
+    coefficients = [7 ** 50 % shamir.PRIME, 3, shamir.PRIME - 1]
+    assert shamir.split(99, coefficients, [0, 4, 17]) == {h: shamir.share(99, coefficients, h) for h in (0, 4, 17)}
+
+
 def test_a_wrong_share_gives_a_wrong_secret():
     shares = shamir.split(31337, [11, 22], range(5))
     shares[1] = (shares[1] + 1) % shamir.PRIME
     assert shamir.reconstruct({h: shares[h] for h in (0, 1, 2)}, 3) != 31337
     assert shamir.reconstruct({h: shares[h] for h in (2, 3, 4)}, 3) == 31337
+
+
+# ---- the PRG ----------------------------------------------------------------------------------------
+def test_the_prg_is_aes_128_ctr_under_the_seeds_hashed_key():
+    seed = (1, 2 ** 127 - 5)
+    key = hashlib.blake2b((1).to_bytes(16, "little") + (2 ** 127 - 5).to_bytes(16, "little"), digest_size=16).digest()
+    counters = b"".join(c.to_bytes(16, "big") for c in range(3))  # AES of the counter blocks 0, 1, 2
+    blocks = Cipher(algorithms.AES(key), modes.ECB()).encryptor().update(counters)
+    streams = MaskStreams()
+    assert np.array_equal(streams.draw(seed, 5), np.frombuffer(blocks, dtype="<u8")[:5])
+    assert np.array_equal(streams.draw(seed, 3), streams.draw(seed, 7)[:3])  # counter-based: a prefix
+    assert not np.array_equal(streams.draw((1, 2 ** 127 - 4), 5), streams.draw(seed, 5))
+    words = streams.draw(seed, 20000) & np.uint64(RING_MASK)  # ring elements: uniform on [0, 2^62)
+    assert abs(float(words.mean()) / 2 ** 62 - 0.5) < 5 * (12 * len(words)) ** -0.5
+    total = streams.signed_sum([(seed, 1), ((3,), -1), (seed, 1)], 5).numpy().astype(np.uint64)
+    expected = (2 * streams.draw(seed, 5) - streams.draw((3,), 5)) & np.uint64(RING_MASK)  # mod 2^64, then 2^62
+    assert np.array_equal(total, expected)
+    assert streams.drawn == 11
+
+
+@pytest.mark.parametrize("graph", ["sparse", "complete"])
+def test_added_clients_masks_are_drawn_at_once_and_sum_to_their_messages(graph):
+    n, data = 20, uploads(20)
+    survivors = [c for c in range(n) if c not in (3, 14)]
+
+    def build() -> SecureAggregator:
+        return SecureAggregator(range(n), seed=7, round_index=1, graph=graph, degree=6, threshold=3)
+
+    batched, single = build(), build()
+    for c in survivors:
+        batched.add(c, data[c])
+    assert batched.streams.drawn == 0  # nothing drawn until the total is read
+    total = batched.total
+    per_client = (6 + 1) if graph == "sparse" else n - 1
+    assert batched.streams.drawn == per_client * len(survivors) == batched.costs(survivors)["mask_streams"]
+    assert torch.equal(total, ring_sum(single.masked_upload(c, data[c]) for c in survivors))  # bit for bit
+    again = build()
+    for c in reversed(survivors):
+        again.add(c, data[c])
+    assert torch.equal(again.total, total)  # a rerun, in any order, gives the same bits
+    plain = sum(data[c]["x"] for c in survivors)
+    assert float((batched.unmask(total, survivors)["x"] - plain).abs().max()) <= len(survivors) * ROUNDING
+    with pytest.raises(ValueError, match="not a participant"):
+        batched.add(n + 1, data[0])
 
 
 # ---- the graph and its parameters ----------------------------------------------------------------

@@ -15,6 +15,7 @@ wrong secret. Arithmetic is Python's exact integers; a share costs `SHARE_BYTES`
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 
 PRIME = (1 << 127) - 1
@@ -33,27 +34,33 @@ def share(secret: int, coefficients: Sequence[int], holder: int) -> int:
 
 
 def split(secret: int, coefficients: Sequence[int], holders: Iterable[int]) -> dict[int, int]:
-    """The shares {holder: f(holder + 1)} of `secret` for each of `holders` (see `share`)."""
-    return {holder: share(secret, coefficients, holder) for holder in holders}
+    """The shares {holder: f(holder + 1)} of `secret` for each of `holders` (see `share`), Horner's
+    steps taken for all holders at once."""
+    holders = list(holders)
+    xs = [holder + 1 for holder in holders]
+    values = [0] * len(xs)
+    for coefficient in reversed(coefficients):
+        values = [(value + coefficient) * x % PRIME for value, x in zip(values, xs, strict=True)]
+    return {holder: (value + secret) % PRIME for holder, value in zip(holders, values, strict=True)}
 
 
 def reconstruct(shares: Mapping[int, int], threshold: int, *, what: str = "a secret") -> int:
     """The secret from ≥ `threshold` shares {holder: f(holder + 1)}: Lagrange at 0 over the first t holders.
 
+    With X = Π_m x_m and D_h = x_h · Π_{m≠h} (x_m − x_h), λ_h = X / D_h, so s = X · Σ_h y_h / D_h:
+    the D_h are exact products of small integers (never 0 mod p: each factor is below p), summed
+    as one fraction with a single inversion. A holder at x = 0 holds f(0) itself.
     Raises ValueError with fewer than t shares (they carry no information about the secret).
     """
     if len(shares) < threshold:
         raise ValueError(f"{what} needs {threshold} shares to be reconstructed, only {len(shares)} arrived")
     holders = sorted(shares)[:threshold]
     xs = [h + 1 for h in holders]
-    # Σ y_h · num_h / den_h kept as one fraction N / D: a single inversion instead of t
-    total_numerator, total_denominator = 0, 1
+    if 0 in xs:
+        return shares[holders[xs.index(0)]] % PRIME
+    numerator, denominator = 0, 1
     for h, x_h in zip(holders, xs, strict=True):
-        numerator = denominator = 1
-        for x_m in xs:
-            if x_m != x_h:
-                numerator = numerator * x_m % PRIME
-                denominator = denominator * (x_m - x_h) % PRIME
-        total_numerator = (total_numerator * denominator + shares[h] * numerator * total_denominator) % PRIME
-        total_denominator = total_denominator * denominator % PRIME
-    return total_numerator * pow(total_denominator, -1, PRIME) % PRIME
+        d_h = x_h * math.prod([x_m - x_h for x_m in xs if x_m != x_h])
+        numerator = (numerator * d_h + shares[h] * denominator) % PRIME
+        denominator = denominator * d_h % PRIME
+    return math.prod(xs) * numerator * pow(denominator, -1, PRIME) % PRIME
