@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, quiet_trainer, relative_error
-from tests.engines.conformance import DATA, METHODS, PROTOCOLS, comparable_state, data, supports
+from tests.engines.conformance import METHODS, PROTOCOLS, comparable_state, data, supports
 from workbench.engines.local import LocalClients
 from workbench.engines.round import Replies, RoundRequest, add_metrics
 from workbench.federation import Federation, codec
@@ -171,8 +171,7 @@ class LoopbackGrid:
     def send_and_receive(self, messages, timeout=None):
         from workbench.engines.flower import client_app
 
-        handlers = {"query": client_app.introduce, "train": client_app.train, "train.finish": client_app.finish,
-                    "evaluate": client_app.evaluate}
+        handlers = client_app.HANDLERS
         return [handlers[message.metadata.message_type](message, self.contexts[message.metadata.dst_node_id])
                 for message in messages]
 
@@ -199,25 +198,14 @@ def fit_over_loopback(name: str, federation: Federation | None = None):
     return method, engine, run.test_results
 
 
-# The ClientApp builds its Problem without the data's tail (client_app.client_data): until it uses
-# `Problem.of(data)`, a tail row cannot build its model on a node (strict: the fix shows as XPASS)
-NO_TAIL_ON_NODES = pytest.mark.xfail(strict=True, raises=ValueError,
-                                     reason="the ClientApp's Problem lacks the data's tail (needs Problem.of(data))")
-
-
-def on_flower(rows):
-    return [pytest.param(*row, marks=NO_TAIL_ON_NODES) if row[0] in DATA else row for row in rows]
-
-
-@pytest.mark.parametrize("name, protocol", on_flower([(name, None) for name in METHODS] + SUPPORTED))
+@pytest.mark.parametrize("name, protocol", [(name, None) for name in METHODS] + SUPPORTED)
 def test_flowers_messages_give_the_in_process_run(loopback, name, protocol):
     federation = PROTOCOLS.get(protocol)
     assert_same_run(name, fit(name, federation), fit_over_loopback(name, federation))
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.xfail(
-    strict=True, reason=NO_TAIL_ON_NODES.kwargs["reason"])) if name in DATA else name for name in METHODS])
+@pytest.mark.parametrize("name", list(METHODS))
 def test_a_flower_simulation_gives_the_in_process_run(name, tmp_path):
     pytest.importorskip("ray", reason="Flower simulations need Ray: pip install -e '.[flower]'")
     from workbench.engines.flower.simulation import fit_over_flower

@@ -14,11 +14,13 @@ import torch
 pytest.importorskip("flwr", reason="the Flower engine needs the `flower` extra: pip install -e '.[flower]'")
 pytest.importorskip("ray", reason="Flower simulations need Ray: pip install -e '.[flower]'")
 
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
+from tests.engines.conformance import METHODS
+from tests.engines.conformance import data as conformance_data
 from tests.engines.conftest import COMM, assert_same_state, fedavg, over_both, three_clients
 from workbench.engines.flower import client_app, server_app
-from workbench.engines.flower.spec import RunSpec, from_record, half_state, restore_half, to_record
+from workbench.engines.flower.spec import RunSpec, from_record, half_state, record_views, restore_half, to_record
 from workbench.federation import Federation, codec
 from workbench.federation.local_training import LocalTraining
 from workbench.federation.secure_aggregation import SecureAggregator
@@ -39,6 +41,21 @@ def test_symmetric_uploads_travel_as_upper_triangles_through_a_record():
     restored = codec.unpack(from_record(record), frozenset({"gram"}))
     for name, value in uploads.items():
         assert torch.equal(restored[name], value), name
+
+
+def test_a_record_holds_the_bytes_flower_writes_and_gives_writable_tensors():
+    tensors = {"matrix": torch.randn(5, 3, dtype=torch.float64), "transposed": torch.randn(3, 4).T,
+               "scalar": torch.tensor(7), "flags": torch.tensor([True, False]), "empty": torch.zeros(0, 2)}
+    record, flowers = to_record(tensors), ArrayRecord({name: value.contiguous() for name, value in tensors.items()})
+    assert list(record) == list(tensors)
+    for name in tensors:
+        assert record[name].data == flowers[name].data and record[name].shape == flowers[name].shape, name
+    for name, value in from_record(record).items():
+        assert torch.equal(value, tensors[name]), name
+        value.add_(1) if value.dtype != torch.bool else value.logical_not_()  # writable, its own memory
+    assert torch.equal(from_record(record)["matrix"], tensors["matrix"])
+    views = record_views(flowers)  # over the bytes, as Flower's own Arrays hold them
+    assert all(torch.equal(views[name], value) for name, value in tensors.items())
 
 
 def test_a_client_rebuilds_the_same_method_and_data_from_the_spec():
@@ -63,11 +80,15 @@ def test_a_half_keeps_every_buffer_and_parameter_through_a_record():
     half.setup_clients(torch.tensor([1]), 10)
     for value in half_state(half).values():
         value.add_(1) if value.is_floating_point() else None
+    half.register_buffer("cache", torch.ones(4), persistent=False)  # one a later round allocated
+    record = to_record(half_state(half))
     fresh = method.client_half()
     fresh.setup_clients(torch.tensor([1]), 10)
-    restore_half(fresh, from_record(to_record(half_state(half))))
+    restore_half(fresh, record_views(record))
     for name, value in half_state(half).items():
         assert torch.equal(half_state(fresh)[name], value), name
+    fresh.cache.add_(1)  # the restored half owns its tensors: the record's bytes stay as saved
+    assert torch.equal(record_views(record)["cache"], torch.ones(4))
 
 
 @pytest.fixture
@@ -84,10 +105,20 @@ def fake_context(client: int, num_clients: int = 3) -> Context:
                    state=RecordDict(), run_config={})
 
 
-def train_message(spec: RunSpec, round_index: int, broadcast: dict, secure: str = "", lost: bool = False) -> Message:
-    content = RecordDict({"spec": spec.to_record(), "broadcast": to_record(broadcast),
-                          "round": ConfigRecord({"session": "s", "round": round_index, "lost": lost, "secure": secure,
-                                                 "clip_norm": -1.0})})
+def introduced(spec: RunSpec, client: int, session: str = "s") -> Context:
+    """A node's context after the fit's first message (the only one with the spec)."""
+    context = fake_context(client)
+    content = RecordDict({"spec": spec.to_record(), "round": ConfigRecord({"session": session, "spec": spec.digest})})
+    reply = client_app.introduce(Message(content, dst_node_id=context.node_id, message_type="query"), context)
+    assert reply.content["report"]["client_id"] == client
+    return context
+
+
+def train_message(spec: RunSpec, round_index: int, broadcast: dict, secure: str = "", lost: bool = False,
+                  session: str = "s") -> Message:
+    content = RecordDict({"broadcast": to_record(broadcast), "round": ConfigRecord(
+        {"session": session, "spec": spec.digest, "round": round_index, "lost": lost, "secure": secure,
+         "clip_norm": -1.0})})
     return Message(content, dst_node_id=101, message_type="train")
 
 
@@ -100,7 +131,7 @@ def test_the_client_app_replies_with_the_client_update_of_its_own_rows(as_server
     expected, _ = method.client_half().client_update(0, {}, client_app.ClientData(
         1, method.problem, data.train_features[rows], data.train_labels[rows], 128).cohort())
 
-    reply = client_app.train(train_message(spec, 0, {}), fake_context(1))
+    reply = client_app.train(train_message(spec, 0, {}), introduced(spec, 1))
     uploads = codec.unpack(from_record(reply.content["uploads"]), codec.symmetric_names(AFL.uploads))
     assert uploads.keys() == expected.keys()
     for name, value in expected.items():
@@ -109,39 +140,75 @@ def test_the_client_app_replies_with_the_client_update_of_its_own_rows(as_server
 
     # under secure aggregation the client masks its own upload
     options = {"participants": [0, 1, 2], "seed": 5, "bits": 32, "symmetric": ["gram"]}
-    reply = client_app.train(train_message(spec, 0, {}, secure=json.dumps(options)), fake_context(1))
+    reply = client_app.train(train_message(spec, 0, {}, secure=json.dumps(options)), introduced(spec, 1))
     aggregator = SecureAggregator([0, 1, 2], seed=5, round_index=0, symmetric=["gram"])
     assert torch.equal(from_record(reply.content["masked"])["masked"], aggregator.masked_upload(1, expected))
     layout = json.loads(reply.content["layout"]["json"])
     assert layout == {"names": ["gram", "cross"], "shapes": [[12, 12], [12, data.num_classes]],
                       "dtypes": ["float64", "float64"]}
     # a dropped client computes but sends nothing
-    reply = client_app.train(train_message(spec, 0, {}, lost=True), fake_context(1))
+    reply = client_app.train(train_message(spec, 0, {}, lost=True), introduced(spec, 1))
     assert not reply.content.array_records
 
 
-def test_a_node_keeps_its_clients_state_between_messages(as_server):
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_node_keeps_its_clients_state_between_messages(as_server, monkeypatch, processes):
+    """One process keeps the node's client; with two taking turns (a Ray simulation's actors),
+    each message finds the state the other saved in the node's context."""
     method, data = fedavg(), three_clients()  # top-k with error feedback: each client keeps a residual
-    spec, context = RunSpec.of(method, data), fake_context(2)
+    spec = RunSpec.of(method, data)
+    context = introduced(spec, 2)
     data.setup("fit")
     method.setup(Problem((12,), data.num_classes, 3))
-    for round_index in range(2):
-        client_app.train(train_message(spec, round_index, method.broadcast()), context)
+    kept_by: list[dict] = [{} for _ in range(processes)]  # each process's copies of its nodes
+    events = []
+    for round_index in range(3):
+        monkeypatch.setattr(client_app, "_nodes", kept_by[round_index % processes])
+        report = client_app.train(train_message(spec, round_index, method.broadcast()), context).content["report"]
+        events.append((report["built"], report["restored"]))
         method.rounds_done += 1
+    # one process builds once and keeps the state; two build once each and restore what the other saved
+    assert events == ([(1, 0), (0, 0), (0, 0)] if processes == 1 else [(1, 0), (1, 1), (0, 1)])
     state = from_record(context.state[client_app.STATE_KEY])
     residual = state["feedback.residuals.rows"]
     assert state["feedback.residuals.ids"].tolist() == [0] and residual.abs().sum() > 0  # its one slot, non-zero
 
-    # the same two rounds in one in-process half give the same residual
+    # the same rounds in one in-process half give the same residual
     half = method.client_half()
     half.setup_clients(torch.tensor([2]), int((data.train_client_ids == 2).sum()))
     method.rounds_done.zero_()
     rows = data.train_client_ids == 2
     cohort = client_app.ClientData(2, method.problem, data.train_features[rows], data.train_labels[rows], 128).cohort()
-    for round_index in range(2):
+    for round_index in range(3):
         half.client_update(round_index, method.broadcast(), cohort)
         method.rounds_done += 1
     torch.testing.assert_close(residual, half.feedback.residual(torch.tensor([0])), rtol=0, atol=1e-6)
+
+
+def test_a_node_builds_its_client_once_per_fit_and_settings(as_server, monkeypatch):
+    builds = []
+    build_method = RunSpec.build_method
+    monkeypatch.setattr(RunSpec, "build_method", lambda spec: builds.append(spec.digest) or build_method(spec))
+    monkeypatch.setattr(client_app, "_nodes", {})
+    method, data = fedavg(), three_clients()
+    spec = RunSpec.of(method, data)
+    data.setup("fit")
+    method.setup(Problem((12,), data.num_classes, 3))
+    context = introduced(spec, 1)
+    for round_index in range(3):
+        reply = client_app.train(train_message(spec, round_index, method.broadcast()), context)
+        assert reply.content["report"]["client_s"] > 0  # the handler timed itself
+        method.rounds_done += 1
+    assert builds == [spec.digest]  # built at the first round, kept for the others
+
+    changed = RunSpec.of(fedavg(num_rounds=4), data)  # other settings: a new fit, rebuilt
+    context = introduced(changed, 1, session="t")
+    client_app.train(train_message(changed, 0, method.broadcast(), session="t"), context)
+    assert builds == [spec.digest, changed.digest] and len(client_app._nodes) == 1  # the old fit's copy let go
+
+    # a message of a fit the node was never introduced to is refused, not run on stale settings
+    with pytest.raises(RuntimeError, match="not introduced"):
+        client_app.train(train_message(spec, 1, method.broadcast(), session="t"), context)
 
 
 def test_write_app_names_the_components(tmp_path):
@@ -189,3 +256,45 @@ def test_personalized_clients_score_their_local_test_splits_on_their_nodes(tmp_p
     assert engine.local_accuracy == reference.local_accuracy  # each client's own head, kept on its node
     assert float(engine.trainer.callback_metrics["test/acc_local_mean"]) == float(
         reference.trainer.callback_metrics["test/acc_local_mean"])
+
+
+class TwoProcessGrid:
+    """A loopback grid (every node's own Context, kept between messages) whose messages run in two
+    processes' turns, as a Ray simulation's actors take any node's message: each node's client
+    moves to the other process with every message, so every message after a node's first finds
+    its state saved by the other."""
+
+    def __init__(self, num_clients: int) -> None:
+        self.contexts = {100 + k: fake_context(k, num_clients) for k in range(num_clients)}
+        self.kept: list[dict] = [{}, {}]  # each process's copies of the nodes' clients
+        self.exchanges = 0
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.contexts)
+
+    def send_and_receive(self, messages, timeout=None):
+        handlers, replies = client_app.HANDLERS, []
+        for message in messages:
+            node = message.metadata.dst_node_id
+            client_app._nodes = self.kept[(self.exchanges + node) % 2]
+            replies.append(handlers[message.metadata.message_type](message, self.contexts[node]))
+        self.exchanges += 1
+        return replies
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_clients_moving_between_processes_give_the_in_process_run(as_server, monkeypatch, name):
+    from tests.conftest import quiet_trainer
+    from tests.engines.test_conformance import assert_same_run
+    from tests.engines.test_conformance import fit as fit_in_process
+    from workbench.engines import LightningEngine
+    from workbench.engines.flower.simulation import fit_over_grid
+
+    monkeypatch.setattr(client_app, "_nodes", {})  # the grid swaps it; put back after the test
+    build, _ = METHODS[name]
+    method, dm = build(), conformance_data(name=name)
+    engine = LightningEngine(method)
+    run = fit_over_grid(TwoProcessGrid(dm.num_clients), quiet_trainer(method), engine, dm)
+    assert_same_run(name, fit_in_process(name), (method, engine, run.test_results))
+    traffic = run.traffic
+    assert traffic.builds <= 2 * dm.num_clients and traffic.restores > 0  # built once per process, then restored

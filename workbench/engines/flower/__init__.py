@@ -2,15 +2,18 @@
 
 The server runs `LightningEngine` as in process (Lightning's loop, the protocol: dropouts,
 secure aggregation, noise; logging, timing, checkpoints of the global model); only its clients
-transport differs: `FlowerClients` (`transport`) sends each round's cohort (one SuperNode per
-client, `partition-id` k) a Message with the round index, the plan's broadcast (not the learned
-state), the run's spec (method and data classes with their init arguments) and, under secure
-aggregation, the round's participants, seed and fixed-point bits. The ClientApp (`client_app`)
-rebuilds the method and the data from the spec, builds the client half for its client,
-restores the half's buffers and parameters from the node's own `context.state` (so clients keep
-their state across rounds: DeepAFL's Φ cache, Ditto's personal heads, error feedback), runs
-`client_update` on its own rows and replies with its uploads (symmetric ones as upper
-triangles, `workbench.federation.codec`) or its masked ring vector. Dropped clients get the
+transport differs: `FlowerClients` (`transport`) introduces itself to every SuperNode (one per
+client, `partition-id` k) with the run's spec (method and data classes with their init
+arguments), which the node keeps in its `context.state`; then it sends each round's cohort a
+Message with only what the round needs: the round index, the plan's broadcast (not the learned
+state), the fit's session and the spec's digest and, under secure aggregation, the round's
+participants, seed and fixed-point bits. The ClientApp (`client_app`) builds the method and the
+client half for its client from the kept spec once per node and run (the process keeps them;
+a new fit or changed settings rebuild), keeps the half's buffers and parameters in the node's
+own `context.state` (so clients keep their state across rounds: DeepAFL's Φ cache, Ditto's
+personal heads, error feedback; a process that finds the node's state moved on restores it into
+a fresh half), runs `client_update` on its own rows and replies with its uploads (symmetric ones
+as upper triangles, `workbench.federation.codec`) or its masked ring vector. Dropped clients get the
 message and compute too; their replies carry no upload. The server combines the survivors'
 replies in client order (sums; stacked uploads concatenated). After the last round every client
 gets the final broadcast and runs `finish`; for the local tests of personalized methods each
@@ -33,8 +36,9 @@ Shamir shares (simulated on the server: the share messages do not travel).
 Metrics: the engine's own (`comm/*` count the arrays' payload bytes: the same as in process), and
 `flower/bytes_up`, `flower/bytes_down` (the serialized arrays actually carried: numpy .npy bytes
 with headers and names; downlink = the broadcast + that framing, per message) and
-`flower/client_compute_s` (the clients' own seconds, summed). `time/client_s` is the server's
-wait for its clients, transport included.
+`flower/client_compute_s` and `flower/client_cpu_s` (the ClientApp handlers' wall seconds and
+their threads' CPU seconds, message in to reply, state restored and saved included, summed).
+`time/client_s` is the server's wait for its clients, transport included.
 
 Running: `simulation.fit(trainer, engine, datamodule)` runs the fit and the test in a local Ray
 simulation (one SuperNode per client; Ray's and Flower's files under the run folder), or on the

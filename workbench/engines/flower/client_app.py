@@ -1,14 +1,20 @@
 """The ClientApp: one node serves one client, keeping the client's state between messages.
 
-Every message carries the run's spec (`RunSpec`); the handler rebuilds the method from it (its
-settings, never learned state), builds the client half for this node's client k
-(`partition-id`), restores the half's buffers and parameters from the node's own
-`context.state` (Flower keeps it per node and run; it never leaves the node), does the work and
-saves the state back. The data module is set up once per process and reused.
+The fit's first message to a node (`query`) carries the run's spec (`RunSpec`); the node keeps
+it in its own `context.state` (Flower keeps that per node and run; it never leaves the node).
+Every later message carries only what its round needs, with the fit's session and the spec's
+digest. The first message after that builds the method from the kept spec (its settings, never
+learned state) and the client half for this node's client k (`partition-id`); the process keeps
+both (`Node`, per run and node) for the messages after, so a message neither re-parses the
+spec nor rebuilds anything. After its work a message saves the half's buffers and parameters
+back into `context.state`, with a token: a process whose half does not hold the saved state
+(a Ray simulation sends a node's messages to any of its actors; a deployed SuperNode starts a
+process per message) starts from a fresh half and restores the saved one. The data module is
+set up once per process and reused.
 
-Message types (content records in quotes):
-- `query`: which client this node is and how many training and local test rows it holds;
-- `train`: one round: "broadcast" (the plan's broadcast), "round" (round index, session, whether
+Message types (content records in quotes; "round" always holds the session and the spec's digest):
+- `query`: "spec"; which client this node is and how many training and local test rows it holds;
+- `train`: one round: "broadcast" (the plan's broadcast), "round" (round index, whether
   this client's upload is lost, the secure aggregation settings as JSON or "", client-level DP's
   clip norm or -1); the client runs the protocol's client step (`workbench.federation.client_step`,
   as the in-process clients do) and replies "uploads" (packed: symmetric uploads as upper
@@ -16,12 +22,18 @@ Message types (content records in quotes):
   shapes, dtypes); "metrics" (sums) and "report" (with its message's bytes on the wire);
 - `train.finish`: the final broadcast; the client's local work (`ClientHalf.finish`);
 - `evaluate`: the client scores its own local test split with `half.predict`: correct / total.
+
+Every reply's "report" holds the handler's own seconds, wall (`client_s`) and CPU of its thread
+(`client_cpu_s`): everything the node did for the message, state restored and saved included.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
+import uuid
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,7 +41,17 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch import Tensor
 
-from workbench.engines.flower.spec import RunSpec, flag, from_record, half_state, number, restore_half, text, to_record
+from workbench.engines.flower.spec import (
+    RunSpec,
+    flag,
+    from_record,
+    half_state,
+    number,
+    record_views,
+    restore_half,
+    text,
+    to_record,
+)
 from workbench.federation import codec
 from workbench.federation.client_step import client_step, wire_spec
 from workbench.federation.secure_aggregation import SecureAggregator
@@ -82,7 +104,7 @@ def client_data(spec: RunSpec, client: int, num_partitions: int) -> ClientData:
                          f"run's data has num_clients = {data.num_clients}: start one SuperNode per client")
     if not 0 <= client < num_partitions:
         raise ValueError(f"partition-id {client} is outside [0, {num_partitions})")
-    problem = Problem(tuple(getattr(data, "input_shape", (data.feature_dim,))), data.num_classes, data.num_clients)
+    problem = Problem.of(data)  # the data's tail too (data.trainable_tail)
     rows = _rows(data.train_client_ids, client)
     share = ClientData(client, problem, data.train_features[rows], data.train_labels[rows], data.hparams.batch_size)
     if getattr(data, "local_test_client_ids", None) is not None:
@@ -92,36 +114,77 @@ def client_data(spec: RunSpec, client: int, num_partitions: int) -> ClientData:
     return share
 
 
+def _node_data(spec: RunSpec, context: Context) -> ClientData:
+    return client_data(spec, int(context.node_config["partition-id"]), int(context.node_config["num-partitions"]))
+
+
 @dataclasses.dataclass
 class Node:
-    """What one message's handler works with."""
+    """One node's client of one fit, kept by this process between messages."""
 
-    spec: RunSpec
+    session: str
+    digest: str
     method: FederatedMethod
     half: ClientHalf
     data: ClientData
-    context: Context
-    session: str
+    holds: str | None = None  # the token of the node's saved state the half holds; None: fresh
+    built: bool = True  # this message built the method and the half
+    restored: bool = False  # this message restored the node's saved state into a fresh half
 
-    def save(self) -> None:
-        """The half's state back into the node's state, for the next message."""
-        self.context.state[STATE_KEY] = to_record(half_state(self.half))
-        self.context.state[NODE_KEY] = ConfigRecord({"session": self.session})
+    def fresh_half(self) -> None:
+        self.half = self.method.client_half()
+        self.half.setup_clients(torch.tensor([self.data.client]), len(self.data.labels))
+        self.holds = None
+
+    def events(self) -> dict[str, int]:
+        """What this message cost beyond the client's work, for its report."""
+        return {"built": int(self.built), "restored": int(self.restored)}
+
+    def save(self, context: Context) -> None:
+        """The half's state into the node's state, for the next message (whichever process gets it)."""
+        self.holds = uuid.uuid4().hex
+        context.state[STATE_KEY] = to_record(half_state(self.half))
+        context.state.config_records[NODE_KEY]["state"] = self.holds
+
+
+# (run id, node id) -> its client; a process keeps one fit's (a deployed SuperNode runs each
+# message in a process of its own: there the node's context.state is all that carries over)
+_nodes: dict[tuple[int, int], Node] = {}
 
 
 def node(message: Message, context: Context) -> Node:
-    """Rebuild the method and this node's client half from the spec, with its kept state."""
-    spec = RunSpec.from_record(message.content.config_records["spec"])
-    data = client_data(spec, int(context.node_config["partition-id"]), int(context.node_config["num-partitions"]))
-    method = spec.build_method()
-    method.setup(data.problem)
-    half = method.client_half()
-    half.setup_clients(torch.tensor([data.client]), len(data.labels))
-    session = text(message.content.config_records["round"], "session")
+    """This node's client for the message's fit: kept by this process, or built from the spec the
+    node kept; holding the node's saved state."""
+    settings = message.content.config_records["round"]
+    session, digest = text(settings, "session"), text(settings, "spec")
     kept = context.state.config_records.get(NODE_KEY)
-    if kept is not None and str(kept["session"]) == session and STATE_KEY in context.state.array_records:
-        restore_half(half, from_record(context.state.array_records[STATE_KEY]))
-    return Node(spec, method, half, data, context, session)
+    if kept is None or kept.get("session") != session or kept.get("digest") != digest:
+        raise RuntimeError(f"SuperNode {context.node_id} was not introduced to this fit (session {session}): the "
+                           "fit's first message to a node (query) carries the run's spec")
+    key = (context.run_id, context.node_id)
+    here, built = _nodes.get(key), False
+    if here is None or (here.session, here.digest) != (session, digest):  # a new fit or changed settings
+        built = True
+        spec = RunSpec.from_record(kept)
+        data = _node_data(spec, context)
+        method = spec.build_method()
+        method.setup(data.problem)
+        for other in [other for other, held in _nodes.items() if other[0] != key[0] or held.session != session]:
+            del _nodes[other]  # another run's or fit's clients: done with
+        here = _nodes[key] = Node(session, digest, method, method.client_half(), data)
+        here.half.setup_clients(torch.tensor([data.client]), len(data.labels))
+    here.built, here.restored = built, False
+    token = kept.get("state")
+    if token != here.holds:  # the node's state moved on elsewhere (or the half was never restored)
+        # into a fresh half, as the saved state expects: a used one may keep Python-side caches
+        # of an older state (AnaPFL's host copy of its seed, say)
+        if here.holds is not None:
+            here.fresh_half()
+        if token is not None:
+            restore_half(here.half, record_views(context.state.array_records[STATE_KEY]))
+            here.restored = True
+        here.holds = None if token is None else str(token)
+    return here
 
 
 def _report(**values: float) -> MetricRecord:
@@ -129,25 +192,53 @@ def _report(**values: float) -> MetricRecord:
                          for name, value in values.items()})
 
 
+def timed(handler: Callable[[Message, Context], tuple[RecordDict, int]]) -> Callable[[Message, Context], Message]:
+    """The handler's reply, with its seconds in its "report" (wall and CPU of this thread). A
+    handler that fails drops this process's copy of the node (it may have stopped half-way):
+    the node's saved state stays the truth."""
+
+    @functools.wraps(handler)
+    def reply(message: Message, context: Context) -> Message:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        try:
+            content, client = handler(message, context)
+        except BaseException:
+            _nodes.pop((context.run_id, context.node_id), None)
+            raise
+        report = content.metric_records["report"]
+        report["client_s"], report["client_cpu_s"] = time.perf_counter() - wall, time.thread_time() - cpu
+        report["client_id"] = client
+        return Message(content, reply_to=message)
+
+    return reply
+
+
 @app.query()
-def introduce(message: Message, context: Context) -> Message:
-    """Which client this node is, and how many training (and local test) rows it holds."""
+@timed
+def introduce(message: Message, context: Context) -> tuple[RecordDict, int]:
+    """The fit's spec, kept in the node's state; which client this node is, and how many training
+    (and local test) rows it holds."""
     spec = RunSpec.from_record(message.content.config_records["spec"])
-    data = client_data(spec, int(context.node_config["partition-id"]), int(context.node_config["num-partitions"]))
+    session = text(message.content.config_records["round"], "session")
+    data = _node_data(spec, context)
+    kept = context.state.config_records.get(NODE_KEY)
+    if kept is None or kept.get("session") != session:  # a new fit: the client starts afresh
+        context.state.array_records.pop(STATE_KEY, None)
+        context.state[NODE_KEY] = ConfigRecord({**dataclasses.asdict(spec), "digest": spec.digest,
+                                                "session": session})
     tests = 0 if data.local_test_labels is None else len(data.local_test_labels)
-    report = _report(client_id=data.client, num_samples=len(data.labels), num_local_test=tests)
-    return Message(RecordDict({"report": report}), reply_to=message)
+    return RecordDict({"report": _report(num_samples=len(data.labels), num_local_test=tests)}), data.client
 
 
 @app.train()
-def train(message: Message, context: Context) -> Message:
+@timed
+def train(message: Message, context: Context) -> tuple[RecordDict, int]:
     """One round of this client: the client step on the broadcast and its own data and state."""
     here = node(message, context)
     settings = message.content.config_records["round"]
     round_index, lost, secure = int(number(settings, "round")), flag(settings, "lost"), text(settings, "secure")
     clip_norm = number(settings, "clip_norm") if number(settings, "clip_norm") >= 0 else None  # -1: no clipping
     broadcast = from_record(message.content.array_records["broadcast"])
-    start = time.perf_counter()
     sent = client_step(here.half, here.method.uploads, round_index, broadcast, here.data.cohort(), clip_norm)
     content = RecordDict()
     bytes_up = 0
@@ -165,36 +256,35 @@ def train(message: Message, context: Context) -> Message:
         symmetric = codec.symmetric_names(wire_spec(here.method.uploads, clip_norm is not None))
         content["uploads"] = to_record(codec.pack(sent.uploads, symmetric))
         bytes_up = sent.bytes_up
-    seconds = time.perf_counter() - start
-    here.save()
+    here.save(context)
     if not lost:
         content["metrics"] = MetricRecord(dict(sent.metrics))
-    content["report"] = _report(client_id=here.data.client, client_s=seconds, bytes_up=bytes_up)
-    return Message(content, reply_to=message)
+    content["report"] = _report(bytes_up=bytes_up, **here.events())
+    return content, here.data.client
 
 
 @app.train("finish")
-def finish(message: Message, context: Context) -> Message:
+@timed
+def finish(message: Message, context: Context) -> tuple[RecordDict, int]:
     """The final broadcast: the client's local work on it (`ClientHalf.finish`), state kept."""
     here = node(message, context)
     worked = type(here.half).finish is not ClientHalf.finish
-    start = time.perf_counter()
-    final = from_record(message.content.array_records["broadcast"])
-    metrics = here.half.finish(final, here.data.cohort()) if worked else {}
-    seconds = time.perf_counter() - start
-    here.save()
+    metrics = {}
+    if worked:
+        metrics = here.half.finish(from_record(message.content.array_records["broadcast"]), here.data.cohort())
+        here.save(context)
     content = RecordDict({"metrics": MetricRecord({name: float(value) for name, value in metrics.items()}),
-                          "report": _report(client_id=here.data.client, client_s=seconds, worked=int(worked))})
-    return Message(content, reply_to=message)
+                          "report": _report(worked=int(worked), **here.events())})
+    return content, here.data.client
 
 
 @app.evaluate()
-def evaluate(message: Message, context: Context) -> Message:
+@timed
+def evaluate(message: Message, context: Context) -> tuple[RecordDict, int]:
     """This client's own model (`half.predict`) on its own local test split: correct / total."""
     here = node(message, context)
     features, labels = here.data.local_test_features, here.data.local_test_labels
     correct = total = 0
-    start = time.perf_counter()
     if features is not None and labels is not None and len(labels):
         size = here.data.batch_size
         with torch.no_grad():
@@ -204,6 +294,8 @@ def evaluate(message: Message, context: Context) -> Message:
                 logits = here.half.predict(features[rows], ids)
                 correct += int(logits.argmax(dim=1).eq(labels[rows]).sum())
         total = len(labels)
-    report = _report(client_id=here.data.client, correct=correct, total=total,
-                     client_s=time.perf_counter() - start)
-    return Message(RecordDict({"report": report}), reply_to=message)
+    return RecordDict({"report": _report(correct=correct, total=total, **here.events())}), here.data.client
+
+
+#: the handler of each message type, as the ClientApp dispatches them (for grids that call them in process)
+HANDLERS = {"query": introduce, "train": train, "train.finish": finish, "evaluate": evaluate}

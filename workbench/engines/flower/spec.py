@@ -1,21 +1,28 @@
 """What a ClientApp needs to rebuild a run, and tensors in Flower records.
 
 - `RunSpec`: the method and data classes (names exported by `workbench.methods` /
-  `workbench.data`, nothing else) with their init arguments as JSON.
-- `to_record` / `from_record`: named tensors <-> an `ArrayRecord` (numpy .npy bytes per array).
+  `workbench.data`, nothing else) with their init arguments as JSON; its `digest` names it.
+- `to_record` / `from_record`: named tensors <-> an `ArrayRecord` (numpy .npy bytes per array);
+  `record_views`: read-only tensors over a record's bytes, to copy from.
 - `half_state` / `restore_half`: every buffer and parameter of a client half (persistent or not:
   DeepAFL's Φ cache, Ditto's personal heads, error feedback), kept by a node between messages.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import io
 import json
+import math
+import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import cast
 
+import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
+from flwr.common.constant import SType
 from lightning import LightningDataModule
 from torch import Tensor, nn
 
@@ -51,6 +58,11 @@ class RunSpec:
     @classmethod
     def of(cls, method: FederatedMethod, datamodule) -> RunSpec:
         return cls(type(method).__name__, _init_args(method), type(datamodule).__name__, _init_args(datamodule))
+
+    @property
+    def digest(self) -> str:
+        """Names the spec in the messages after the first (a node checks its kept spec is the fit's)."""
+        return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:32]
 
     def to_record(self) -> ConfigRecord:
         return ConfigRecord(dataclasses.asdict(self))
@@ -104,15 +116,45 @@ def flag(record: ConfigRecord, key: str) -> bool:
     return value
 
 
+def _array(tensor: Tensor) -> Array:
+    """A tensor as the Array `Array(tensor)` makes (np.save's .npy bytes), in one copy instead of
+    np.save's chunked writes and copies: a node saves its client's state with every message."""
+    values = tensor.detach().cpu().numpy()
+    values = values if values.flags.c_contiguous else values.copy(order="C")  # (ascontiguousarray makes 0-d 1-d)
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(values))
+    return Array(dtype=str(values.dtype), shape=tuple(values.shape), stype=SType.NUMPY,
+                 data=b"".join((header.getvalue(), values.data)))
+
 
 def to_record(tensors: Mapping[str, Tensor]) -> ArrayRecord:
     """Named tensors -> an ArrayRecord (CPU copies, in the given order)."""
-    return ArrayRecord(OrderedDict((name, value.detach().cpu()) for name, value in tensors.items()))
+    return ArrayRecord(OrderedDict((name, _array(value)) for name, value in tensors.items()))
 
 
 def from_record(record: ArrayRecord) -> dict[str, Tensor]:
-    """An ArrayRecord -> named tensors (writable copies)."""
-    return {name: value.clone() for name, value in record.to_torch_state_dict().items()}
+    """An ArrayRecord -> named tensors (writable copies: np.load reads each into a new array)."""
+    return dict(record.to_torch_state_dict())
+
+
+def record_views(record: ArrayRecord) -> dict[str, Tensor]:
+    """An ArrayRecord -> named read-only tensors over its .npy bytes (no copy): to copy from, as
+    `restore_half` does (a node restores its client's state from them)."""
+    readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+    views = {}
+    for name, array in record.items():
+        data = array.data
+        header = io.BytesIO(data)  # shares the bytes
+        version = np.lib.format.read_magic(header)
+        if version not in readers:  # (3.0 only names structured fields: not a tensor's)
+            views[name] = torch.from_numpy(array.numpy())
+            continue
+        shape, fortran_order, dtype = readers[version](header)
+        values = np.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=header.tell())
+        with warnings.catch_warnings():  # read-only on purpose: restore_half copies from them
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            views[name] = torch.from_numpy(values.reshape(shape, order="F" if fortran_order else "C"))
+    return views
 
 
 def half_state(half: nn.Module) -> dict[str, Tensor]:
@@ -125,8 +167,9 @@ def half_state(half: nn.Module) -> dict[str, Tensor]:
 @torch.no_grad()
 def restore_half(half: nn.Module, state: Mapping[str, Tensor]) -> None:
     """Put back what `half_state` saved into a freshly built half: copied in place where the fresh
-    tensor has the saved shape and dtype (whatever refers to it sees the kept state), replaced
-    where the fit found another shape (e.g. a cache allocated in a later round)."""
+    tensor has the saved shape and dtype (whatever refers to it sees the kept state), replaced by
+    a copy where the fit found another shape (e.g. a cache allocated in a later round). `state`
+    is only read (it may be `record_views`)."""
     for name, value in state.items():
         owner_name, _, attribute = name.rpartition(".")
         owner = half.get_submodule(owner_name) if owner_name else half
@@ -135,13 +178,13 @@ def restore_half(half: nn.Module, state: Mapping[str, Tensor]) -> None:
             if parameter.shape == value.shape:
                 parameter.copy_(value)
             else:
-                owner._parameters[attribute] = nn.Parameter(value.to(parameter.dtype),
+                owner._parameters[attribute] = nn.Parameter(value.to(parameter.dtype, copy=True),
                                                             requires_grad=parameter.requires_grad)
         elif attribute in owner._buffers:
             buffer = owner._buffers[attribute]
             if buffer is not None and buffer.shape == value.shape and buffer.dtype == value.dtype:
                 buffer.copy_(value)  # in place: whatever holds this tensor sees the kept state
             else:
-                owner._buffers[attribute] = value.to(buffer.device) if buffer is not None else value
+                owner._buffers[attribute] = value.clone() if buffer is None else value.to(buffer.device, copy=True)
         else:
-            owner.register_buffer(attribute, value, persistent=False)
+            owner.register_buffer(attribute, value.clone(), persistent=False)

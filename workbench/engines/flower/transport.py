@@ -36,16 +36,21 @@ DEPLOYED_GRID: contextvars.ContextVar[Grid | None] = contextvars.ContextVar("wor
 @dataclasses.dataclass
 class FlowerTraffic:
     """What Flower carried (serialized arrays: numpy .npy bytes with their headers and names, all
-    clients and rounds) and the clients' own compute time."""
+    clients and rounds) and the clients' own time: each ClientApp handler's, from the message in
+    to its reply (the client's work, its state restored and saved), summed over the messages."""
 
     bytes_up: int = 0
     bytes_down: int = 0
-    client_compute_s: float = 0.0  # the clients' own client_update / finish / predict seconds, summed
+    client_compute_s: float = 0.0  # the handlers' wall seconds, summed
+    client_cpu_s: float = 0.0  # the CPU seconds of the handlers' threads, summed
+    messages: int = 0  # the train / finish / evaluate messages answered
+    builds: int = 0  # of them, those that built the method and the client half (a process's first for a node)
+    restores: int = 0  # those that restored the node's state saved by another process
     wall_s: float = 0.0  # the whole engine call (a simulation: Ray's start and stop included)
 
     def metrics(self) -> dict[str, float]:
         return {"flower/bytes_up": float(self.bytes_up), "flower/bytes_down": float(self.bytes_down),
-                "flower/client_compute_s": self.client_compute_s}
+                "flower/client_compute_s": self.client_compute_s, "flower/client_cpu_s": self.client_cpu_s}
 
 
 def checked(replies, expected: int) -> list[Message]:
@@ -97,6 +102,7 @@ class FlowerClients:
         self.grid: Grid | None = grid
         self.method, self.datamodule = method, datamodule
         self.spec = RunSpec.of(method, datamodule)
+        self.digest = self.spec.digest
         self.session = uuid.uuid4().hex  # the nodes' kept state belongs to this fit
         self.traffic = FlowerTraffic()
         nodes = wait_for_nodes(grid, datamodule.num_clients, node_wait_s)
@@ -104,12 +110,6 @@ class FlowerClients:
         self.nodes = self._introductions(nodes, samples)
 
     # ---- messages -----------------------------------------------------------------------------
-    def _content(self, **records) -> RecordDict:
-        content = RecordDict({"spec": self.spec.to_record()})
-        for name, record in records.items():
-            content[name] = record
-        return content
-
     def _grid(self) -> Grid:
         if self.grid is None:
             raise RuntimeError("the Flower run has ended and the clients' state with it: test inside "
@@ -117,7 +117,9 @@ class FlowerClients:
         return self.grid
 
     def _settings(self, **values) -> ConfigRecord:
-        return ConfigRecord({"session": self.session, **values})
+        """A message's "round" record: the fit's session and the spec's digest (the nodes keep the
+        spec itself from their introduction), and the values."""
+        return ConfigRecord({"session": self.session, "spec": self.digest, **values})
 
     def _exchange(self, clients: list[int], contents: list[RecordDict], message_type: str,
                   group: str) -> dict[int, RecordDict]:
@@ -130,9 +132,14 @@ class FlowerClients:
         replies = {}
         for reply in checked(self._grid().send_and_receive(messages), len(messages)):
             content = reply.content
-            replies[int(number(content.metric_records["report"], "client_id"))] = content
+            report = content.metric_records["report"]
+            replies[int(number(report, "client_id"))] = content
             self.traffic.bytes_up += sum(record.count_bytes() for record in content.array_records.values())
-            self.traffic.client_compute_s += number(content.metric_records["report"], "client_s")
+            self.traffic.client_compute_s += number(report, "client_s")
+            self.traffic.client_cpu_s += number(report, "client_cpu_s")
+            self.traffic.messages += 1
+            self.traffic.builds += int(number(report, "built"))
+            self.traffic.restores += int(number(report, "restored"))
         if sorted(replies) != sorted(clients):
             raise RuntimeError(f"{message_type} {group}: asked clients {sorted(clients)}, got replies from "
                                f"{sorted(replies)}")
@@ -141,7 +148,8 @@ class FlowerClients:
     def _introductions(self, nodes: list[int], samples: Tensor) -> dict[int, int]:
         """client id -> the SuperNode that holds it, from every node's own answer; each must hold
         the `samples[k]` training samples the server's copy of the data gives client k."""
-        messages = [Message(self._content(), dst_node_id=node, message_type="query") for node in nodes]
+        content = RecordDict({"spec": self.spec.to_record(), "round": self._settings()})  # the one with the spec
+        messages = [Message(content, dst_node_id=node, message_type="query") for node in nodes]
         holders: dict[int, int] = {}
         for reply in checked(self._grid().send_and_receive(messages), len(nodes)):
             report = reply.content.metric_records["report"]
@@ -166,8 +174,8 @@ class FlowerClients:
         clip_norm = -1.0 if request.clip_norm is None else float(request.clip_norm)
         down = to_record(request.broadcast)  # dense, as comm/bytes_down counts it (no broadcast is symmetric)
         clients = sorted(survivors + lost)
-        contents = [self._content(broadcast=down, round=self._settings(
-            round=request.round_index, lost=client in lost, secure=secure_settings, clip_norm=clip_norm))
+        contents = [RecordDict({"broadcast": down, "round": self._settings(
+            round=request.round_index, lost=client in lost, secure=secure_settings, clip_norm=clip_norm)})
             for client in clients]
         replies_by_client = self._exchange(clients, contents, "train", str(request.round_index))
 
@@ -196,7 +204,7 @@ class FlowerClients:
         start = time.perf_counter()
         clients = sorted(self.nodes)
         down = to_record(final_broadcast)
-        contents = [self._content(broadcast=down, round=self._settings()) for _ in clients]
+        contents = [RecordDict({"broadcast": down, "round": self._settings()}) for _ in clients]
         replies = self._exchange(clients, contents, "train.finish", "finish")
         metric_sums: dict[str, float] = {}
         for client in clients:
@@ -212,7 +220,7 @@ class FlowerClients:
         if getattr(self.datamodule, "local_test_client_ids", None) is None:
             return correct, total
         clients = sorted(self.nodes)
-        contents = [self._content(round=self._settings()) for _ in clients]
+        contents = [RecordDict({"round": self._settings()}) for _ in clients]
         for client, reply in self._exchange(clients, contents, "evaluate", "local_test").items():
             report = reply.metric_records["report"]
             correct[client], total[client] = int(number(report, "correct")), int(number(report, "total"))
