@@ -5,6 +5,7 @@ or per local step."""
 from __future__ import annotations
 
 import copy
+import functools
 from collections import Counter
 from dataclasses import dataclass, replace
 
@@ -34,7 +35,7 @@ def fit(name: str, dm: FederatedDataModule, device: torch.device, record: Transf
     method = METHODS[name][0]()
     if local_epochs is not None:
         method.local = replace(method.local, epochs=local_epochs)
-    method.setup(Problem(tuple(dm.input_shape), dm.num_classes, dm.num_clients))
+    method.setup(Problem.of(dm))
     ids = dm.train_client_ids.to(device)
     clients = LocalClients(method, dm.train_features.to(device), dm.train_labels.to(device), ids,
                            torch.unique(ids), dm.hparams.batch_size)
@@ -62,15 +63,18 @@ def fit(name: str, dm: FederatedDataModule, device: torch.device, record: Transf
 
 @pytest.fixture(scope="module")
 def small():
-    return data(num_clients=3)
+    """A row's small data (`small(name)`: with the row's own data settings), made once per row."""
+    return functools.cache(lambda name: data(num_clients=3, name=name))
 
 
 @pytest.fixture(scope="module")
 def larger():
     """Twice the clients, a quarter of the rows per chunk (`batch_size`)."""
-    dm = data(num_clients=6)
-    dm.hparams.batch_size = 16
-    return dm
+    def make(name: str) -> FederatedDataModule:
+        dm = data(num_clients=6, name=name)
+        dm.hparams.batch_size = 16
+        return dm
+    return functools.cache(make)
 
 
 GRADIENT = {name for name, (build, _) in METHODS.items() if isinstance(build(), GradientMethod)}
@@ -81,6 +85,8 @@ MAY_GROW = ("(lbfgs)", "client_state.py")
 READS = {  # what a method reads from the device beyond a few numbers a round, in bytes
     # λ's round: each client draws its hold-out on the host with its own generator, from its labels
     "AnaPFL": lambda dm: 8 * len(dm.train_labels),
+    # the analytic start's rounds: each client draws its hold-out on the host, as AnaPFL's
+    "AFL+FedAvg": lambda dm: 8 * len(dm.train_labels),
     # the class sizes of every chunk of rows (to split a chunk by class for the per-class Gram matrices)
     "GHOFL": lambda dm: 8 * dm.num_classes * -(-len(dm.train_labels) // dm.hparams.batch_size),
 }
@@ -92,6 +98,7 @@ def syncs_by_line(transfers: Transfers) -> Counter:
 
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_a_method_runs_on_the_device_as_on_the_host(name, small, larger):
+    small, larger = small(name), larger(name)
     state, logits, _ = fit(name, small, HOST)
     with fake_device() as record:
         device_state, device_logits, rounds = fit(name, small, DEVICE, record)

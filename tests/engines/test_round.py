@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def plain_fit(method, dm, federation: Federation):
     """Every round by `run_round`, then `run_final`: (the results, the final result)."""
     method.federation = federation
-    method.setup(Problem((dm.feature_dim,), dm.num_classes, dm.num_clients))
+    method.setup(Problem.of(dm))
     available = torch.unique(dm.train_client_ids)
     clients = LocalClients(method, dm.train_features, dm.train_labels, dm.train_client_ids, available,
                            dm.hparams.batch_size)
@@ -35,8 +35,8 @@ def plain_fit(method, dm, federation: Federation):
 def test_rounds_in_a_loop_are_the_engines_fit(name, protocol):
     federation = PROTOCOLS.get(protocol) or Federation()
     method = METHODS[name][0]()
-    results, final = plain_fit(method, data(), federation)
-    engine = fit(METHODS[name][0](), data(), federation)
+    results, final = plain_fit(method, data(name=name), federation)
+    engine = fit(METHODS[name][0](), data(name=name), federation)
     ours, theirs = comparable_state(method), comparable_state(engine.method)
     assert ours.keys() == theirs.keys()
     for key in ours:
