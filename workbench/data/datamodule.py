@@ -532,7 +532,7 @@ class FederatedDataModule(LightningDataModule):
             inputs = split.texts if kind == "text" else split.images
             features = cached_features(backbone, inputs, split.labels, split=split_name,
                                        batch_size=args.extract_batch_size, device=device, **where)
-            if backbone.feature_shape:  # a tail's input maps, cached flattened
+            if getattr(backbone, "feature_shape", ()):  # a tail's input maps, cached flattened (image backbones only)
                 features = features.view(len(features), *backbone.feature_shape)
             splits += [features, split.labels]
         return tuple(splits)
