@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from workbench.linalg import class_sums, counts_of
+from workbench.linalg import class_sums, counts_of, statistics_dtype
 from workbench.methods.base import SUMMED, SYMMETRIC, Cohort, Problem, Uploads
 from workbench.methods.ridge_selection import client_holdout
 
@@ -112,6 +112,12 @@ class AnalyticStart:
     def needs_second_moment(self) -> bool:
         return self.method != "FedNCM"
 
+    @property
+    def stat_dtype(self) -> torch.dtype:
+        """The dtype of the statistics and the solve: the analytic method's `dtype` setting (each
+        defaults to float64)."""
+        return statistics_dtype(self.settings.get("dtype", "float64"))
+
     def build_head_method(self) -> nn.Module:
         """The analytic method whose server solve gives the head, built from `settings`."""
         from workbench.methods.afl import AFL
@@ -136,9 +142,19 @@ class AnalyticStart:
         return head_method
 
     # ---- the clients -----------------------------------------------------------------------------
+    def client_update(self, round_index: int, net: nn.Module, broadcast: Mapping[str, Tensor], cohort: Cohort,
+                      num_classes: int, seed: int) -> Uploads:
+        """Start round `round_index` of the cohort, on the activations h of `net` (at w₀)."""
+        if round_index == 0:
+            return self.client_statistics(activations(net, cohort.features, cohort.batch_size), cohort,
+                                          num_classes, seed)
+        held = self.holdout(cohort, seed)  # round 1 reads only the hold-out rows
+        return self.client_scores(activations(net, cohort.features[held], cohort.batch_size), cohort.labels[held],
+                                  broadcast)
+
     def client_statistics(self, activations: Tensor, cohort: Cohort, num_classes: int, seed: int) -> Uploads:
         """Start round 0: the sums of the cohort's activations h (n, d_h), and of its hold-out rows."""
-        h = activations.to(self.build_head_method().stat_dtype)
+        h = activations.to(self.stat_dtype)
         uploads = self._sums(h, cohort.labels, num_classes, cohort.batch_size, "start_")
         if self.calibrates:
             held = self.holdout(cohort, seed)
@@ -157,13 +173,11 @@ class AnalyticStart:
                 sums[f"{prefix}second_moment"] += rows.T @ rows
         return sums
 
-    def client_scores(self, activations: Tensor, cohort: Cohort, seed: int,
-                      broadcast: Mapping[str, Tensor]) -> Uploads:
-        """Start round 1: Σ CE(z/τ) over the hold-out rows for every τ (Γ,), and their number."""
-        held = self.holdout(cohort, seed)
+    def client_scores(self, held_activations: Tensor, labels: Tensor, broadcast: Mapping[str, Tensor]) -> Uploads:
+        """Start round 1: Σ CE(z/τ) over the hold-out rows (their h and labels) for every τ (Γ,),
+        and their number."""
         weight, bias = broadcast["start_weight"], broadcast["start_bias"]
-        logits = activations[held].to(weight) @ weight + bias
-        labels = cohort.labels[held]
+        logits = held_activations.to(weight) @ weight + bias
         losses = torch.stack([F.cross_entropy(logits / t, labels, reduction="sum") for t in self.temperatures])
         rows = torch.tensor(float(len(labels)), dtype=weight.dtype)
         return {"start_holdout_loss": losses, "start_holdout_rows": rows}

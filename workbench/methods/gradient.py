@@ -134,10 +134,8 @@ class GradientClient(ClientHalf):
             return self.train_round(round_index - start_rounds, broadcast, cohort)
         if len(cohort.clients) == 0:
             return {}, {}
-        h = activations(self.net, cohort.features, cohort.batch_size)  # at w₀: the start rounds train nothing
-        if round_index == 0:
-            return self.start.client_statistics(h, cohort, self.num_classes, self.seed), {}
-        return self.start.client_scores(h, cohort, self.seed, broadcast), {}
+        # the net is still w₀ here: the start rounds train nothing
+        return self.start.client_update(round_index, self.net, broadcast, cohort, self.num_classes, self.seed), {}
 
     def train_round(self, round_index: int, broadcast: Mapping[str, Tensor],
                     cohort: Cohort) -> tuple[Uploads, Metrics]:
@@ -228,7 +226,7 @@ class GradientMethod(FederatedMethod):
         self.flat = Flat(self.net)
         if self.init_from.enabled:  # the start's heads, kept between its rounds (resumable)
             width = activations(self.net, torch.zeros(1, *problem.input_shape), 1).shape[1]
-            dtype = self.init_from.build_head_method().stat_dtype
+            dtype = self.init_from.stat_dtype
             for name, shape in {"start_weight": (width, problem.num_classes), "start_bias": (problem.num_classes,),
                                 "start_candidate_weight": (width, problem.num_classes),
                                 "start_candidate_bias": (problem.num_classes,)}.items():
@@ -273,7 +271,7 @@ class GradientMethod(FederatedMethod):
     def start_broadcast(self) -> dict[str, Tensor]:
         """Start round 0: w₀ as its seed; round 1: the candidate head whose τ the clients score."""
         if self.round == 0:
-            return {"seed": torch.tensor(self.seed, dtype=torch.int64)}
+            return self.seed_message()
         return {"start_weight": self.start_candidate_weight, "start_bias": self.start_candidate_bias}
 
     def finish_round(self, uploads: Uploads, num_clients: float) -> Metrics:
@@ -301,8 +299,12 @@ class GradientMethod(FederatedMethod):
 
     def broadcast(self) -> dict[str, Tensor]:
         if self.round == 0:  # w₀ travels as its seed
-            return {"seed": torch.tensor(self.seed, dtype=torch.int64)}
+            return self.seed_message()
         return {"weights": self.flat_parameters()}
+
+    def seed_message(self) -> dict[str, Tensor]:
+        """w₀ as its seed (8 bytes): every client rebuilds it."""
+        return {"seed": torch.tensor(self.seed, dtype=torch.int64)}
 
     def final_broadcast(self) -> dict[str, Tensor]:
         return {"weights": self.flat_parameters()}
