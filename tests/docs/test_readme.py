@@ -1,0 +1,28 @@
+"""The README is a front page: short, its first two code blocks the ones `.ci/run` runs verbatim
+(the install line with the demo, then the tests), and every link in it pointing at a file here."""
+from __future__ import annotations
+
+import re
+
+from tests.conftest import ROOT
+
+README = (ROOT / "README.md").read_text()
+
+
+def test_the_readme_is_a_front_page():
+    assert len(README.splitlines()) <= 200
+
+
+def test_its_first_two_code_blocks_are_the_install_and_the_test_commands_ci_runs():
+    blocks = re.findall(r"```(?:bash|sh|console)?\n(.*?)```", README, re.S)  # .ci/run's own extraction
+    assert blocks[0].startswith("python3 -m venv .venv && .venv/bin/pip install torch==") and \
+        blocks[0].rstrip().endswith(".venv/bin/python -m workbench fit --config configs/demo.yaml")
+    assert blocks[1] == ".venv/bin/python -m pytest\n"
+    first_runnable = README.find("<!-- runnable")
+    assert first_runnable == -1 or first_runnable > README.find(blocks[1])  # CI runs them; the docs' test does not
+
+
+def test_every_relative_link_points_at_a_file():
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README):
+        if "://" not in target:
+            assert (ROOT / target).exists(), target
