@@ -265,20 +265,13 @@ def local_sgd(
     if correction is not None and (unknown := sorted(set(correction) - set(global_params) - set(fixed))):
         raise ValueError(f"correction names {unknown}, which are not parameters of the model")
 
-    def loss(
-        p: dict[str, Tensor], c: dict[str, Tensor], x: Tensor, y: Tensor, weight: Tensor
-    ) -> Tensor:
+    def loss(p: dict[str, Tensor], x: Tensor, y: Tensor, weight: Tensor) -> Tensor:
         logits = functional_call(model, (p, buffers), (x,))
-        value = (F.cross_entropy(logits, y, reduction="none") * weight).sum()
-        if prox_mu > 0:
-            value = value + 0.5 * prox_mu * sum(((p[n] - c[n]) ** 2).sum() for n in p)
-        return value
+        return (F.cross_entropy(logits, y, reduction="none") * weight).sum()
 
-    center_dims = {
-        name: 0 if per_client else None for name, per_client in center_per_client.items()
-    }
-    client_grad = vmap(grad(loss), in_dims=(0, center_dims, 0, 0, 0))
-    plain = momentum == 0 and weight_decay == 0  # today's step, bit for bit
+    # only the cross-entropy goes through autograd: the other terms' gradients are closed forms,
+    # added to it in place (μ/2 ‖w − c‖² differentiated by autograd cost 2.6× a plain step)
+    client_grad = vmap(grad(loss))
     velocity = {name: torch.zeros_like(value) for name, value in params.items()} if momentum > 0 else {}
     with torch.no_grad():
         for index, mask, active in _schedule(
@@ -287,24 +280,22 @@ def local_sgd(
             index, mask = index[:active], mask[:active]  # the clients with a batch: a prefix
             weight = mask.to(features.dtype) / mask.sum(1, keepdim=True)
             prefix = {name: value[:active] for name, value in params.items()}
-            centers = {
-                name: value[:active] if center_per_client[name] else value
-                for name, value in center.items()
-            }
             with torch.enable_grad():
-                step = client_grad(prefix, centers, features[index], labels[index], weight)
+                step = client_grad(prefix, features[index], labels[index], weight)
             for name, value in prefix.items():
-                direction = step[name] + shift[name][:active] if name in shift else step[name]
-                if plain:
-                    value.sub_(lr * direction)  # in place on the prefix view
-                    continue
+                direction = step[name]  # ∇ CE, a fresh tensor: the other terms add to it in place
+                if name in shift:
+                    direction.add_(shift[name][:active])  # r_k
+                if prox_mu > 0:
+                    c = center[name][:active] if center_per_client[name] else center[name]
+                    direction.add_(value - c, alpha=prox_mu)  # ∇ μ/2 ‖w − c‖² = μ (w − c)
                 if weight_decay > 0:
-                    direction = direction + weight_decay * value
+                    direction.add_(value, alpha=weight_decay)
                 if momentum > 0:
                     buffer = velocity[name][:active]
                     buffer.mul_(momentum).add_(direction)  # clients without a batch keep theirs
                     direction = buffer
-                value.sub_(lr * direction)
+                value.sub_(direction, alpha=lr)  # in place on the prefix view
     unsort = torch.argsort(by_size)
     trained = {name: value[unsort] for name, value in params.items()}
     # every parameter, in the model's order: the frozen ones as they came in
