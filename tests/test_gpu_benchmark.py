@@ -33,3 +33,12 @@ def test_bad_settings_fail_with_the_fix(capsys):
     with pytest.raises(SystemExit):
         gpu.main(["--device", "cpu", "--smoke", "--parts", "afl,gemm"])
     assert "choose from extraction,afl,deepafl,fedavg" in capsys.readouterr().err
+
+
+def test_the_smoke_leaves_out_emulated_bf16(monkeypatch):
+    monkeypatch.setattr(gpu, "native_bf16", lambda device: False)
+    monkeypatch.setattr(gpu, "SMOKE", TINY)
+    lines = gpu.main(["--device", "cpu", "--smoke", "--parts", "extraction"])
+    rows = [line for line in lines if line.startswith("| efficientnet_lite0")]
+    assert [re.split(r"\s*\|\s*", row)[3] for row in rows] == ["float32"]
+    assert any("bf16 left out" in line for line in lines)
