@@ -259,8 +259,8 @@ def main(argv: list[str] | None = None) -> list[str]:
         lines += [(f"Extraction of {cfg['images']} random 32 × 32 RGB uint8 images, batch {cfg['batch']}, "
                    "channels_last; bare = the forward alone on preprocessed batches already on the device."
                    + (" bf16 left out: this CPU has no AVX512-BF16 or AMX (bf16 is emulated)." if emulated else "")),
-                  "", "| backbone | px | precision | ours img/s | bare img/s | ours / bare |", "|---|---|---|---|---|---|",
-                  *extraction_rows(cfg, device, repeats, precisions), ""]
+                  "", "| backbone | px | precision | ours img/s | bare img/s | ours / bare |",
+                  "|---|---|---|---|---|---|", *extraction_rows(cfg, device, repeats, precisions), ""]
     methods = [(part, row) for part, row in (("afl", afl_row), ("deepafl", deepafl_row), ("fedavg", fedavg_row))
                if part in parts]
     if methods:

@@ -1,71 +1,52 @@
 // Opens the comparison page in headless Chromium (playwright-core) and uses it as a reader would:
 // `node dashboard_check.cjs <page file> <screenshot png>` prints what it saw as JSON, and
-// test_dashboard_in_chromium.py says what that must be. Every request that is not the file
-// itself is refused and recorded: the page must need no network.
-const { chromium } = require("playwright-core");
+// test_dashboard_in_chromium.py says what that must be (offline: tests/offline_page.cjs).
+const { checkPage } = require("../offline_page.cjs");
 
-(async () => {
-  const [page_file, screenshot] = process.argv.slice(2);
-  const browser = await chromium.launch({ executablePath: "/usr/bin/chromium", headless: true, args: ["--no-sandbox"] });
-  const seen = { console_errors: [], requests: [] };
-  try {
-    const page = await browser.newPage({ viewport: { width: 1400, height: 900 } });
-    page.on("console", (message) => { if (message.type() === "error") seen.console_errors.push(message.text()); });
-    page.on("pageerror", (error) => seen.console_errors.push(String(error)));
-    await page.route("**/*", (route) => {
-      const url = route.request().url();
-      if (url.startsWith("file:") || url.startsWith("data:")) return route.continue();
-      seen.requests.push(url);
-      return route.abort();
-    });
-    await page.goto("file://" + page_file);
-    await page.waitForSelector('body[data-ready="1"]', { timeout: 30000 });
+checkPage(1400, async (page, seen, screenshot) => {
+  await page.waitForSelector('body[data-ready="1"]', { timeout: 30000 });
 
-    const rows = () => page.$$eval("#runs tbody tr", (trs) => trs.map((tr) => tr.dataset.runs));
-    const headers = () => page.$$eval("#runs thead th", (ths) => ths.map((th) => th.dataset.key || th.textContent));
-    seen.rows = await rows();
-    seen.headers = await headers();
-    seen.table_widths = await page.evaluate(() => [document.getElementById("runs").scrollWidth, document.querySelector(".scroll").clientWidth]);
-    seen.table_fits = seen.table_widths[0] <= seen.table_widths[1];
-    seen.groups = await page.$$eval("#group option", (options) => options.map((option) => option.value));
-    seen.figures = await page.$$eval(".figures [id^=fig-]", (divs) => divs.map((div) => [div.id, div.querySelector(".main-svg") ? "plot" : "note"]));
+  const rows = () => page.$$eval("#runs tbody tr", (trs) => trs.map((tr) => tr.dataset.runs));
+  const headers = () => page.$$eval("#runs thead th", (ths) => ths.map((th) => th.dataset.key || th.textContent));
+  seen.rows = await rows();
+  seen.headers = await headers();
+  seen.table_widths = await page.evaluate(() => [document.getElementById("runs").scrollWidth, document.querySelector(".scroll").clientWidth]);
+  seen.table_fits = seen.table_widths[0] <= seen.table_widths[1];
+  seen.groups = await page.$$eval("#group option", (options) => options.map((option) => option.value));
+  seen.figures = await page.$$eval(".figures [id^=fig-]", (divs) => divs.map((div) => [div.id, div.querySelector(".main-svg") ? "plot" : "note"]));
 
-    // a filter hides rows
-    await page.click('fieldset[data-filter="method"] input[value="FedAvg"]');
-    seen.rows_without_fedavg = await rows();
-    await page.click('fieldset[data-filter="method"] input[value="FedAvg"]');
+  // a filter hides rows
+  await page.click('fieldset[data-filter="method"] input[value="FedAvg"]');
+  seen.rows_without_fedavg = await rows();
+  await page.click('fieldset[data-filter="method"] input[value="FedAvg"]');
 
-    // a column toggle shows a hidden column, another hides a shown one
-    await page.click("#columns summary");
-    await page.click('#column-toggles input[data-column="comm/bytes_down_per_client"]');
-    await page.click('#column-toggles input[data-column="engine"]');
-    seen.headers_toggled = await headers();
+  // a column toggle shows a hidden column, another hides a shown one
+  await page.click("#columns summary");
+  await page.click('#column-toggles input[data-column="comm/bytes_down_per_client"]');
+  await page.click('#column-toggles input[data-column="engine"]');
+  seen.headers_toggled = await headers();
 
-    // sorting by a header
-    await page.click('#runs thead th[data-key="comm/bytes_up_per_client"]');
-    seen.sorted_bytes = await page.$$eval('#runs tbody tr', (trs) => trs.map((tr) => {
-      const cells = Array.from(tr.parentElement.parentElement.tHead.rows[0].cells);
-      const i = cells.findIndex((th) => th.dataset.key === "comm/bytes_up_per_client");
-      return parseFloat(tr.cells[i].dataset.value);
-    }));
+  // sorting by a header
+  await page.click('#runs thead th[data-key="comm/bytes_up_per_client"]');
+  seen.sorted_bytes = await page.$$eval('#runs tbody tr', (trs) => trs.map((tr) => {
+    const cells = Array.from(tr.parentElement.parentElement.tHead.rows[0].cells);
+    const i = cells.findIndex((th) => th.dataset.key === "comm/bytes_up_per_client");
+    return parseFloat(tr.cells[i].dataset.value);
+  }));
 
-    // hovering a point of the final-score figure shows its run and values
-    const point = await page.$("#fig-final .scatterlayer .trace .points path");
-    await point.scrollIntoViewIfNeeded();
-    const box = await point.boundingBox();  // Plotly's drag layer takes the pointer: move the mouse there
-    await page.mouse.move(box.x + box.width / 2, box.y + box.height / 2);
-    await page.waitForSelector("#fig-final .hoverlayer .hovertext", { timeout: 5000 });
-    seen.hover = await page.$eval("#fig-final .hoverlayer", (layer) => layer.textContent);
+  // hovering a point of the final-score figure shows its run and values
+  const point = await page.$("#fig-final .scatterlayer .trace .points path");
+  await point.scrollIntoViewIfNeeded();
+  const box = await point.boundingBox();  // Plotly's drag layer takes the pointer: move the mouse there
+  await page.mouse.move(box.x + box.width / 2, box.y + box.height / 2);
+  await page.waitForSelector("#fig-final .hoverlayer .hovertext", { timeout: 5000 });
+  seen.hover = await page.$eval("#fig-final .hoverlayer", (layer) => layer.textContent);
 
-    // another group of comparable runs: the personalized one
-    const personal = await page.$$eval("#group option", (options) =>
-      options.filter((option) => option.textContent.includes("personalized")).map((option) => option.value));
-    await page.selectOption("#group", personal[0]);
-    seen.personal_axis = await page.$eval("#fig-final .ytitle", (title) => title.textContent);
-    await page.selectOption("#group", seen.groups[0]);
-    await page.screenshot({ path: screenshot, fullPage: true });
-  } finally {
-    await browser.close();
-  }
-  process.stdout.write(JSON.stringify(seen));
-})().catch((error) => { console.error(error); process.exit(1); });
+  // another group of comparable runs: the personalized one
+  const personal = await page.$$eval("#group option", (options) =>
+    options.filter((option) => option.textContent.includes("personalized")).map((option) => option.value));
+  await page.selectOption("#group", personal[0]);
+  seen.personal_axis = await page.$eval("#fig-final .ytitle", (title) => title.textContent);
+  await page.selectOption("#group", seen.groups[0]);
+  await page.screenshot({ path: screenshot, fullPage: true });
+});
