@@ -55,6 +55,7 @@ from workbench import methods  # noqa: E402
 from workbench.data import FederatedDataModule, SyntheticBlobs  # noqa: E402
 from workbench.engines import LightningEngine  # noqa: E402
 from workbench.engines.flower import client_app, simulation  # noqa: E402
+from workbench.engines.flower.loopback import LoopbackGrid  # noqa: E402
 from workbench.engines.local import LocalClients  # noqa: E402
 from workbench.engines.round import Replies, RoundRequest, add_metrics  # noqa: E402
 from workbench.federation import codec  # noqa: E402
@@ -271,31 +272,6 @@ class ClientsAlone:
         raise NotImplementedError("the reference times the clients' rounds only")
 
 
-class LoopbackGrid:
-    """The workbench's ClientApp handlers called in this process, one message at a time (no Ray),
-    each node with its own Context and each message given to one of two processes' copies of the
-    nodes at random, as Ray's two actors take them: the ClientApp's own cost per message, without
-    two ClientApps and the server sharing the cores."""
-
-    def __init__(self, num_clients: int, seed: int = 0) -> None:
-        self.contexts = {100 + k: Context(run_id=1, node_id=100 + k, state=RecordDict(), run_config={},
-                                          node_config={"partition-id": k, "num-partitions": num_clients})
-                         for k in range(num_clients)}
-        self.processes: list[dict] = [{}, {}]
-        self.choose = random.Random(seed).choice
-
-    def get_node_ids(self) -> list[int]:
-        return list(self.contexts)
-
-    def send_and_receive(self, messages, timeout=None):
-        handlers, replies = client_app.HANDLERS, []
-        for message in messages:
-            client_app._nodes = self.choose(self.processes)
-            context = self.contexts[message.metadata.dst_node_id]
-            replies.append(handlers[message.metadata.message_type](message, context))
-        return replies
-
-
 @contextlib.contextmanager
 def as_server_app():
     """Lets this process build a ServerApp's Messages outside one (Flower reads the sender's ids)."""
@@ -339,9 +315,11 @@ def fit_once(method, datamodule, engine_name: str, make_method=None):
             if alone is not None:
                 trainer.fit(engine, datamodule=datamodule)
                 return time.perf_counter() - start, engine, times, alone
+            pick = random.Random(0).randrange
             with as_server_app():
-                run = simulation.fit_over_grid(LoopbackGrid(datamodule.num_clients), trainer, engine, datamodule,
-                                               test=False)
+                # each message to one of two processes' copies of the nodes at random, as Ray's two actors take them
+                grid = LoopbackGrid(datamodule.num_clients, processes=2, process_of=lambda node, exchange: pick(2))
+                run = simulation.fit_over_grid(grid, trainer, engine, datamodule, test=False)
             return time.perf_counter() - start, engine, times, run.traffic
         finally:
             torch.set_num_threads(threads)

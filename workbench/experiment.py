@@ -43,6 +43,7 @@ from workbench.console import DEBUG_ENV, condense_parse_error
 from workbench.data import FederatedDataModule
 from workbench.engines import LightningEngine
 from workbench.engines.ddp import end_processes
+from workbench.engines.flower_settings import FlowerSettings
 from workbench.engines.stopping import Stopping
 from workbench.federation import Federation
 from workbench.files import NoRoom, out_of_room, remove_orphaned_temporaries, replaced_atomically, write_text_atomically
@@ -299,6 +300,10 @@ class WorkbenchCLI(LightningCLI):
         parser.add_argument("--checkpoint_every_round", type=bool, default=True,
                             help="replace the run folder's last.ckpt after every round (a fit stopped by "
                                  "SIGINT/SIGTERM writes it anyway); resume with `fit --ckpt_path last`")
+        parser.add_argument("--flower", type=FlowerSettings, default=FlowerSettings(),
+                            help="with --engine flower: deadline_s (seconds a round waits for its clients' replies; "
+                                 "those that miss it are dropped from the round), connect_s (seconds to wait for "
+                                 "every SuperNode), client_cpus (CPUs per ClientApp in a local simulation)")
         parser.add_argument("--federation", type=Federation, default=Federation(),
                             help="protocol settings: dropout, secure_aggregation, fixed_point_bits, dp_sigma, seed")
 
@@ -320,7 +325,7 @@ class WorkbenchCLI(LightningCLI):
             kwargs.setdefault("default_root_dir", loggers[0].log_dir)
         trainer = super().instantiate_trainer(**kwargs)
         trainer.strategy.checkpoint_io = DirectCheckpointIO()
-        if self.subcommand == "fit" and self._get(self.config, "engine") != "flower":
+        if self.subcommand == "fit":
             self.round_checkpoint = RoundCheckpoint(
                 every_round=self._get(self.config, "checkpoint_every_round", default=True))
             trainer.callbacks.append(self.round_checkpoint)
@@ -340,24 +345,23 @@ class WorkbenchCLI(LightningCLI):
 
     def fit(self, model, datamodule=None, **kwargs) -> None:
         """The rounds run in this process (Lightning's loop) or over Flower (`--engine flower`)."""
+        if kwargs.get("ckpt_path") == "last":  # the newest of this run name's interrupted fits
+            here = Path(self.trainer.log_dir)
+            kwargs["ckpt_path"] = str(newest_last_checkpoint(here.parent, exclude=here))
+        if kwargs.get("ckpt_path") is not None:
+            kwargs.setdefault("weights_only", False)  # our own files (they hold the data's settings)
+            print(f"resuming from {kwargs['ckpt_path']}", file=sys.stderr)
+            source = Path(kwargs["ckpt_path"])
+            if (source.name == "last.ckpt" and re.fullmatch(r"version_\d+", source.parent.name)
+                    and not self._get(self.config, "keep_resumed_checkpoint", default=False)):
+                self.round_checkpoint.superseded = source
         if self._get(self.config, "engine") != "flower":
-            if kwargs.get("ckpt_path") == "last":  # the newest of this run name's interrupted fits
-                here = Path(self.trainer.log_dir)
-                kwargs["ckpt_path"] = str(newest_last_checkpoint(here.parent, exclude=here))
-            if kwargs.get("ckpt_path") is not None:
-                kwargs.setdefault("weights_only", False)  # our own files (they hold the data's settings)
-                print(f"resuming from {kwargs['ckpt_path']}", file=sys.stderr)
-                source = Path(kwargs["ckpt_path"])
-                if (source.name == "last.ckpt" and re.fullmatch(r"version_\d+", source.parent.name)
-                        and not self._get(self.config, "keep_resumed_checkpoint", default=False)):
-                    self.round_checkpoint.superseded = source
             self.trainer.fit(model, datamodule=datamodule, **kwargs)
             return
         from workbench.engines.flower import simulation  # an optional extra: its import says how to install it
 
-        if kwargs.get("ckpt_path") is not None:
-            raise ValueError("the Flower engine fits a fresh model: drop ckpt_path")
-        traffic = simulation.fit(self.trainer, model, datamodule)
+        traffic = simulation.fit(self.trainer, model, datamodule, settings=self._get(self.config_init, "flower"),
+                                 **kwargs)
         print(f"Flower carried {traffic.bytes_up / 1e6:,.3f} MB up, {traffic.bytes_down / 1e6:,.3f} MB down "
               f"(serialized arrays); {traffic.wall_s:.1f} s with its start-up")
 

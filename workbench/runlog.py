@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
@@ -259,6 +260,22 @@ def save_per_client_table(table: dict[str, list], trainer) -> None:
     for logger in trainer.loggers:
         if hasattr(logger, "log_table"):  # WandbLogger
             logger.log_table(key="test/per_client_acc", columns=columns, data=[list(r) for r in rows])
+
+
+def save_client_events(rows: list[list], trainer) -> None:
+    """Clients whose replies never came and clients that came back on a new node, by round
+    (`client_events.csv`: round, client, event (`missing`, `rejoined`), why; rewritten whole
+    after each round with an event) and a W&B table."""
+    columns = ["round", "client", "event", "why"]
+    if trainer.log_dir is not None and trainer.loggers and trainer.is_global_zero:
+        buffer = io.StringIO()
+        writer = csv.writer(buffer)
+        writer.writerow(columns)
+        writer.writerows(rows)
+        write_text_atomically(Path(trainer.log_dir) / "client_events.csv", buffer.getvalue())
+    for logger in trainer.loggers:
+        if hasattr(logger, "log_table"):  # WandbLogger
+            logger.log_table(key="comm/client_events", columns=columns, data=[list(r) for r in rows])
 
 
 def _megabytes(value: float) -> str:

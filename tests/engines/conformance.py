@@ -47,7 +47,9 @@ METHODS = {
     "Fed3R-RF": (lambda: Fed3R(ridge=0.1, random_features=16, seed=4), 1e-8),  # the seed broadcast
     "FedNCM": (lambda: FedNCM(temperature=2.0), 1e-8),
     "DeepAFL": (lambda: DeepAFL(num_layers=2, hidden_dim=16, block_dim=12, seed=1, schedule="two_round"), 1e-8),
-    "DeepAFL-fused": (lambda: DeepAFL(num_layers=2, hidden_dim=16, block_dim=12, seed=1, schedule="fused"), 1e-8),
+    # restating every round, as over Flower (whose clients may go missing) it does unasked
+    "DeepAFL-fused": (lambda: DeepAFL(num_layers=2, hidden_dim=16, block_dim=12, seed=1, schedule="fused",
+                                      restate=True), 1e-8),
     "SAFLe": (lambda: SAFLe(levels=2, group_size=2, experts=16, thresholds="calibrated"), 1e-8),
     "GHOFL": (lambda: GHOFL(heads=["nb_diag", "lda", "qda", "fedcgs"]), 1e-8),
     "AnaPFL": (lambda: AnaPFL(hidden_dim=16, lambdas=[0.0, 0.5, 1.0]), 1e-8),

@@ -154,28 +154,6 @@ def test_two_processes_give_every_methods_model(tmp_path):
 
 
 # ---- Flower -------------------------------------------------------------------------------------
-class LoopbackGrid:
-    """A Flower grid whose SuperNodes live in this process: each message goes straight to the
-    ClientApp with that node's own Context (its `state` kept between messages, as a SuperNode keeps it)."""
-
-    def __init__(self, num_clients: int) -> None:
-        from flwr.app import Context, RecordDict
-
-        self.contexts = {100 + k: Context(run_id=1, node_id=100 + k, state=RecordDict(), run_config={},
-                                          node_config={"partition-id": k, "num-partitions": num_clients})
-                         for k in range(num_clients)}
-
-    def get_node_ids(self) -> list[int]:
-        return list(self.contexts)
-
-    def send_and_receive(self, messages, timeout=None):
-        from workbench.engines.flower import client_app
-
-        handlers = client_app.HANDLERS
-        return [handlers[message.metadata.message_type](message, self.contexts[message.metadata.dst_node_id])
-                for message in messages]
-
-
 @pytest.fixture
 def loopback(monkeypatch):
     pytest.importorskip("flwr", reason="the Flower engine needs the `flower` extra: pip install -e '.[flower]'")
@@ -188,6 +166,7 @@ def loopback(monkeypatch):
 def fit_over_loopback(name: str, federation: Federation | None = None):
 
     from workbench.engines import LightningEngine
+    from workbench.engines.flower.loopback import LoopbackGrid
     from workbench.engines.flower.simulation import fit_over_grid
 
     build, _ = METHODS[name]

@@ -20,6 +20,7 @@ from tests.engines.conformance import METHODS
 from tests.engines.conformance import data as conformance_data
 from tests.engines.conftest import COMM, assert_same_state, fedavg, over_both, three_clients
 from workbench.engines.flower import client_app, server_app
+from workbench.engines.flower.loopback import LoopbackGrid
 from workbench.engines.flower.spec import RunSpec, from_record, half_state, record_views, restore_half, to_record
 from workbench.federation import Federation, codec
 from workbench.federation.local_training import LocalTraining
@@ -258,30 +259,6 @@ def test_personalized_clients_score_their_local_test_splits_on_their_nodes(tmp_p
         reference.trainer.callback_metrics["test/acc_local_mean"])
 
 
-class TwoProcessGrid:
-    """A loopback grid (every node's own Context, kept between messages) whose messages run in two
-    processes' turns, as a Ray simulation's actors take any node's message: each node's client
-    moves to the other process with every message, so every message after a node's first finds
-    its state saved by the other."""
-
-    def __init__(self, num_clients: int) -> None:
-        self.contexts = {100 + k: fake_context(k, num_clients) for k in range(num_clients)}
-        self.kept: list[dict] = [{}, {}]  # each process's copies of the nodes' clients
-        self.exchanges = 0
-
-    def get_node_ids(self) -> list[int]:
-        return list(self.contexts)
-
-    def send_and_receive(self, messages, timeout=None):
-        handlers, replies = client_app.HANDLERS, []
-        for message in messages:
-            node = message.metadata.dst_node_id
-            client_app._nodes = self.kept[(self.exchanges + node) % 2]
-            replies.append(handlers[message.metadata.message_type](message, self.contexts[node]))
-        self.exchanges += 1
-        return replies
-
-
 @pytest.mark.parametrize("name", list(METHODS))
 def test_clients_moving_between_processes_give_the_in_process_run(as_server, monkeypatch, name):
     from tests.conftest import quiet_trainer
@@ -294,7 +271,10 @@ def test_clients_moving_between_processes_give_the_in_process_run(as_server, mon
     build, _ = METHODS[name]
     method, dm = build(), conformance_data(name=name)
     engine = LightningEngine(method)
-    run = fit_over_grid(TwoProcessGrid(dm.num_clients), quiet_trainer(method), engine, dm)
+    # each node's client moves to the other process with every message, as a Ray simulation's
+    # actors take any node's message: every message after a node's first finds its state saved by the other
+    grid = LoopbackGrid(dm.num_clients, processes=2, process_of=lambda node, exchange: (exchange + node) % 2)
+    run = fit_over_grid(grid, quiet_trainer(method), engine, dm)
     assert_same_run(name, fit_in_process(name), (method, engine, run.test_results))
     traffic = run.traffic
     assert traffic.builds <= 2 * dm.num_clients and traffic.restores > 0  # built once per process, then restored

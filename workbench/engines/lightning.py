@@ -35,6 +35,7 @@ round's aggregated uploads are checked for NaN/inf before the server solves or s
 """
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any, Protocol, cast, runtime_checkable
 
@@ -46,12 +47,12 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from workbench.engines import ddp
 from workbench.engines.local import LocalClients
-from workbench.engines.round import FitProtocol, RoundResult, Transport, run_final, run_round
+from workbench.engines.round import FitProtocol, Rejoins, RoundResult, Transport, run_final, run_round
 from workbench.engines.stopping import Stopping
 from workbench.federation import Federation, codec
 from workbench.federation.privacy import clip_features
 from workbench.methods.base import FederatedMethod, Problem
-from workbench.runlog import save_per_client_table
+from workbench.runlog import save_client_events, save_per_client_table
 from workbench.settings import init_arguments, plain
 
 
@@ -109,6 +110,10 @@ class LightningEngine(LightningModule):
         self.local_accuracy: dict[str, list] | None = None
         self._totals: dict[str, float] = {}  # the fit's running bytes and seconds
         self._restored_totals: dict[str, float] | None = None  # a checkpoint's, until the resumed fit starts
+        # clients whose replies never came, or that came back on a new node (remote transports):
+        # [round, client, event, why] rows
+        self.client_events: list[list] = []
+        self._restored_events: list[list] | None = None
 
     @property
     def data(self) -> Any:
@@ -146,6 +151,7 @@ class LightningEngine(LightningModule):
             self.val_acc = MulticlassAccuracy(problem.num_classes, average="micro")
             self.test_acc = MulticlassAccuracy(problem.num_classes, average="micro")
             self.clients = self.remote_clients or self._local_clients(data)
+            self.method.clients_may_go_missing = isinstance(self.clients, Rejoins)
             local = self.clients.local if isinstance(self.clients, ddp.ProcessClients) else self.clients
             if isinstance(local, LocalClients):
                 self.client_half = local.half  # a submodule: checkpoints keep the clients' state
@@ -229,12 +235,16 @@ class LightningEngine(LightningModule):
                 "cannot run longer; fit afresh with the rounds you want (drop --ckpt_path), or resume the "
                 "last.ckpt of an unfinished fit")
         self.available = torch.unique(self.data.train_client_ids).to(self.device)  # clients with data
+        if self.method.round > 0 and isinstance(self.clients, Rejoins):
+            # a resumed fit over new nodes (a new Flower run): every client's state starts afresh there
+            self.method.forget_clients(self.available)
         self._totals = {"bytes_up": 0, "bytes_down": 0, "client_s": 0.0, "server_s": 0.0, "secure_s": 0.0}
         restored = self._restored_totals or {}
         self._totals.update(restored)  # a resumed fit: its numbers continue from the checkpoint's
         self._fit_start = time.perf_counter() - float(restored.get("fit_s", 0.0))
         self._totals.pop("fit_s", None)
         self._restored_totals = None
+        self.client_events, self._restored_events = list(self._restored_events or []), None
         self.protocol = FitProtocol.start(self.method, self.federation, len(self.available),
                                           clip_norm=self._totals.pop("dp_clip_norm", None))
         self.curve = []
@@ -284,6 +294,15 @@ class LightningEngine(LightningModule):
         for name, seconds in result.client_time_sums.items():
             totals[name] = times[name] = totals.get(name, 0.0) + seconds
         self.fit_metrics.update({**result.metrics, **times})
+        events = [[result.round_index, client, "rejoined", "served by a new node, its client state afresh"]
+                  for client in result.rejoined]
+        events += [[result.round_index, client, "missing", why] for client, why in sorted(result.missing.items())]
+        if events:
+            self.client_events += events
+            save_client_events(self.client_events, self.trainer)
+            if self.trainer.is_global_zero:
+                for round_index, client, event, why in events:
+                    print(f"round {round_index}: client {client} {event} ({why})", file=sys.stderr)
         if self.protocol.privacy.clip_norm is not None:
             totals["dp_clip_norm"] = self.protocol.privacy.clip_norm
 
@@ -489,6 +508,7 @@ class LightningEngine(LightningModule):
         totals = getattr(self, "_totals", None)
         if totals is not None and self.trainer.state.fn == "fit":
             saved["totals"] = {**totals, "fit_s": time.perf_counter() - self._fit_start}
+            saved["client_events"] = self.client_events
         checkpoint["workbench"] = saved
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -500,6 +520,7 @@ class LightningEngine(LightningModule):
             check_checkpoint_matches(saved, self.checkpoint_identity(), resuming=resuming,
                                      other_data=self.other_data)
             self._restored_totals = dict(saved.get("totals") or {}) if resuming else None
+            self._restored_events = list(saved.get("client_events") or []) if resuming else None
         tables = [name[:-len(".rows")] for name in self.state_dict() if name.endswith(".rows")]
         lacking = [name for name in tables if f"{name}.rows" not in checkpoint["state_dict"]]
         if lacking:  # workbench 0.2 kept per-client state as one dense (clients, ...) tensor

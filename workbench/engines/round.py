@@ -2,6 +2,9 @@
 
     result = run_round(method, transport, protocol, available)
 
+0. **rejoin**: a remote transport's clients served again by a new node since the last round
+   (`rejoined()`, e.g. a restarted SuperNode) start afresh there: the method forgets what it sent
+   their old nodes (`FederatedMethod.forget_clients`);
 1. **plan**: the server half plans round t on the protocol's cohort of the `available` clients
    (`Federation.sampled_clients`, then `FederatedMethod.plan_round`): who takes part, and the
    broadcast;
@@ -9,7 +12,9 @@
    get the broadcast and compute, but their uploads never arrive;
 3. **mask**: under secure aggregation, the round's `SecureAggregator` over the cohort;
 4. **move**: the transport runs the clients' step (`Transport.update`: in this process, over
-   several processes, over Flower) and returns what reached the server from the survivors;
+   several processes, over Flower) and returns what reached the server from the survivors; a
+   remote transport may name survivors whose replies never came (`Replies.missing`: a node that
+   died or missed the round's deadline), which then count as dropped;
 5. **combine**: the exact sum unmasked, the server's noise added (`FitPrivacy`), checked finite,
    and the server half's update (`FederatedMethod.finish_round`);
 6. **count**: bytes up as each client's message costs on the wire (`codec`, secure aggregation's
@@ -25,7 +30,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -67,7 +72,10 @@ class Replies:
     layout: one client's upload layout (names, shapes, dtypes, as tensors without data), which
         secure aggregation unmasks with;
     metric_sums: the clients' metrics summed over them; client_s: the clients' compute seconds (or
-        the server's wait for remote clients); bytes_up: their messages' bytes on the wire.
+        the server's wait for remote clients); bytes_up: their messages' bytes on the wire;
+    missing: survivors whose replies never reached the server (remote transports: the node died,
+        stalled past the deadline or is known to be gone), by client id, with why: they are
+        dropped from the round, as if they had dropped out after being asked.
     """
 
     uploads: dict[str, Tensor] | None = None
@@ -76,6 +84,7 @@ class Replies:
     metric_sums: dict[str, float] = field(default_factory=dict)
     client_s: float = 0.0
     bytes_up: int = 0
+    missing: dict[int, str] = field(default_factory=dict)
 
 
 def layout_of(upload: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -109,11 +118,22 @@ class Transport(Protocol):
         ...
 
 
+@runtime_checkable
+class Rejoins(Protocol):
+    """A transport whose clients can come back on a new node, with a fresh state (Flower's)."""
+
+    def rejoined(self) -> list[int]:
+        """The clients served by a new node since the last call, sorted."""
+        ...
+
+
 @dataclass
 class RoundResult:
     """What one round did.
 
-    cohort, survivors, lost: (m,) sorted client ids; uploads: the aggregate the server updated from;
+    cohort, survivors, lost: (m,) sorted client ids (`lost`: the protocol's dropouts and the
+        missing); missing: the survivors whose replies never came, with why (`Replies.missing`);
+    uploads: the aggregate the server updated from;
     metrics: the server's, the clients' means over the survivors, the protocol's (`privacy/*`,
         `comm/secagg_*`, `comm/clients_*`);
     client_time_sums: the clients' `time/*` metrics summed over them (totals, not means);
@@ -133,6 +153,8 @@ class RoundResult:
     secure_s: float = 0.0
     client_time_sums: dict[str, float] = field(default_factory=dict)
     secagg_costs: dict[str, int] = field(default_factory=dict)
+    missing: dict[int, str] = field(default_factory=dict)
+    rejoined: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -157,6 +179,9 @@ def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtoc
     federation, privacy = protocol.federation, protocol.privacy
     round_index = method.round
     start = time.perf_counter()
+    rejoined = transport.rejoined() if isinstance(transport, Rejoins) else []
+    if rejoined:  # a fresh client state on a new node: what its old node was sent is not there
+        method.forget_clients(torch.tensor(rejoined, dtype=torch.long, device=available.device))
     plan = method.plan_round(federation.sampled_clients(round_index, available))
     cohort = plan.clients.to(available.device)
     dropped = federation.dropped_clients(round_index, method.num_clients).to(cohort.device)[cohort]
@@ -172,6 +197,12 @@ def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtoc
     server_s = time.perf_counter() - start
 
     replies = transport.update(request)
+    if replies.missing:  # their uploads never came: dropped after being asked, as the protocol's dropouts
+        missing = torch.tensor(sorted(replies.missing), dtype=survivors.dtype, device=survivors.device)
+        survivors, lost = survivors[~torch.isin(survivors, missing)], torch.sort(torch.cat([lost, missing])).values
+        if len(survivors) == 0:
+            raise RuntimeError(f"round {round_index}: no client's reply reached the server ("
+                               f"{_named(replies.missing)}); the fit cannot go on without any")
 
     start = time.perf_counter()
     secure_s = 0.0
@@ -181,8 +212,13 @@ def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtoc
                 raise RuntimeError(f"round {round_index}: no masked upload reached the server to unmask")
             secure.layout = UploadLayout(replies.layout, secure.symmetric)
         total = replies.masked if replies.masked is not None else torch.zeros(secure.layout.length, dtype=torch.int64)
-        uploads = {name: value.to(cohort.device)
-                   for name, value in secure.unmask(total, uploaded=survivors.tolist()).items()}
+        try:
+            unmasked = secure.unmask(total, uploaded=survivors.tolist())
+        except RuntimeError as error:
+            if not replies.missing:
+                raise
+            raise RuntimeError(f"{error}; lost this round: {_named(replies.missing)}") from None
+        uploads = {name: value.to(cohort.device) for name, value in unmasked.items()}
         secure_s = time.perf_counter() - start
     else:
         uploads = replies.uploads or {}
@@ -197,7 +233,8 @@ def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtoc
         (client_times if name.startswith("time/") else client_means)[name] = (
             value if name.startswith("time/") else value / len(survivors))
     metrics = {**server_metrics, **client_means, **privacy_metrics,
-               "comm/clients_in_round": float(len(survivors)), "comm/clients_dropped": float(len(lost))}
+               "comm/clients_in_round": float(len(survivors)), "comm/clients_dropped": float(len(lost)),
+               "comm/clients_missing": float(len(replies.missing)), "comm/clients_rejoined": float(len(rejoined))}
     costs = {}
     if secure is not None:
         metrics.update({"comm/secagg_degree": float(secure.degree), "comm/secagg_threshold": float(secure.threshold)})
@@ -205,7 +242,13 @@ def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtoc
     down_per_client = messages_bytes(plan.broadcast) + (CLIP_NORM_BYTES if privacy.clip_norm is not None else 0)
     return RoundResult(round_index, cohort, survivors, lost, uploads, metrics, bytes_up=replies.bytes_up,
                        bytes_down=down_per_client * len(cohort), client_s=replies.client_s, server_s=server_s,
-                       secure_s=secure_s, client_time_sums=client_times, secagg_costs=costs)
+                       secure_s=secure_s, client_time_sums=client_times, secagg_costs=costs,
+                       missing=dict(replies.missing), rejoined=rejoined)
+
+
+def _named(missing: Mapping[int, str]) -> str:
+    """The missing clients and why, for an error: 'client 2 (no reply within 30 s)'."""
+    return ", ".join(f"client {client} ({why})" for client, why in sorted(missing.items()))
 
 
 @dataclass

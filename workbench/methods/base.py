@@ -210,6 +210,9 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
     global_model: bool = True
     #: fits on feature vectors (n, d) only, as the analytic methods' statistics are of rows
     needs_feature_vectors: bool = True
+    #: set by an engine whose clients can miss a round without notice (a lost Flower node): a
+    #: method whose server keeps sums across rounds asks for them again (DeepAFL's `restate`)
+    clients_may_go_missing: bool = False
 
     rounds_done: Tensor  # () int64
     finished: Tensor  # () bool
@@ -295,6 +298,11 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
 
     def before_restore(self, state: Mapping[str, Tensor]) -> None:
         """Reshape buffers whose shapes a fit finds (e.g. GH-OFL's Fisher subspace) to `state`'s."""
+
+    def forget_clients(self, clients: Tensor) -> None:
+        """`clients` (m,) start afresh on new nodes (a restarted SuperNode): their client state is
+        the initial one, so what the server assumed they kept from its broadcasts is gone (DeepAFL's
+        Ω_t). Default: the server assumes nothing."""
 
     @property
     def samples_cohorts(self) -> bool:

@@ -409,6 +409,10 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
             ‖Ω_t‖₂ ≤ c (unset: no bound, the paper's model). It bounds every sample's Φ_t by
             constants alone, so that noise on the statistics (`federation.dp_sigma`) has a stated
             sensitivity (`statistics_sensitivity`, fused schedule).
+        restate: whether fused rounds ask every client for Φ_{t−1}ᵀΦ_{t−1} and Φ_{t−1}ᵀY again
+            (see the module docstring). Unset: whenever a round's clients may differ from the
+            previous round's: under dropouts, cohort sampling, or clients that may go missing
+            without notice (the Flower engine's lost nodes). False where that can happen is refused.
 
     After a fit, `depth_accuracy[t]` is the test accuracy of the model of depth t (also logged
     as `depth/test_acc` with step t, through `step_metrics`).
@@ -419,7 +423,8 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
 
     def __init__(self, num_layers: int = 20, hidden_dim: int = 1024, block_dim: int = 1024,
                  activation: str = "gelu", gamma: float = 1.0, gamma_s: float = 0.05, seed: int = 0,
-                 dtype: str = "float64", schedule: str = "fused", omega_norm: float | None = None) -> None:
+                 dtype: str = "float64", schedule: str = "fused", omega_norm: float | None = None,
+                 restate: bool | None = None) -> None:
         super().__init__()
         if num_layers < 0:
             raise ValueError(f"num_layers (T) must be ≥ 0, got {num_layers}")
@@ -438,7 +443,7 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
             raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
         if omega_norm is not None and not omega_norm > 0:
             raise ValueError(f"omega_norm must be > 0 (a bound on each ‖Ω_t‖₂) or unset, got {omega_norm}")
-        self.schedule, self.omega_norm = schedule, omega_norm
+        self.schedule, self.omega_norm, self.restate = schedule, omega_norm, restate
         self.save_hyperparameters()
         self.num_layers, self.hidden_dim, self.block_dim = num_layers, hidden_dim, block_dim
         self.activation = ACTIVATIONS[activation]
@@ -464,10 +469,22 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         return max(self.round - 1, 0) if self.fused else max(self.round - 1, 0) // 2
 
     @property
+    def clients_vary(self) -> bool:
+        """Whether a round's clients may differ from the previous round's: dropouts, cohorts, or
+        clients that may go missing without notice."""
+        return self.federation.dropout > 0 or self.samples_cohorts or self.clients_may_go_missing
+
+    @property
     def restates(self) -> bool:
-        """Whether fused rounds ask the clients for Φ_{t−1}ᵀΦ_{t−1} and Φ_{t−1}ᵀY again: under
-        dropouts, where the server's kept sums may be over other clients than the round's."""
-        return self.fused and (self.federation.dropout > 0 or self.samples_cohorts)
+        """Whether fused rounds ask the clients for Φ_{t−1}ᵀΦ_{t−1} and Φ_{t−1}ᵀY again: where the
+        server's kept sums may be over other clients than the round's (`restate`)."""
+        return self.fused and (self.restate if self.restate is not None else self.clients_vary)
+
+    def check_protocol(self, federation) -> None:
+        if self.fused and self.restate is False and self.clients_vary:
+            raise ValueError("DeepAFL(restate=false) recurses sums kept from the previous round, which holds "
+                             "other clients here (dropouts, cohorts or clients that may go missing): leave "
+                             "model.restate unset (or true)")
 
     def setup_problem(self, problem: Problem) -> None:
         h, f, layers = self.hidden_dim, self.block_dim, self.num_layers
@@ -519,6 +536,10 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         message = self._with_omega(message, available, layers)
         self.omega_sent[available] = layers
         return RoundPlan(available, message)
+
+    def forget_clients(self, clients: Tensor) -> None:
+        """Clients on new nodes hold no Ω_t: the next broadcast to them carries every one."""
+        self.omega_sent[clients.to(self.omega_sent.device)] = 0
 
     def _omega_needed(self, round_index: int) -> int:
         """How many Ω_t (Ω_1..Ω_t) round `round_index`'s clients need: those below its layer t, and Ω_t

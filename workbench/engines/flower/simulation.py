@@ -21,7 +21,8 @@ from lightning import Trainer
 
 from workbench.engines.flower import INSTALL_HINT
 from workbench.engines.flower.client_app import app as client_app
-from workbench.engines.flower.transport import DEPLOYED_GRID, NODE_WAIT_S, FlowerClients, FlowerTraffic, LogTraffic
+from workbench.engines.flower.transport import DEPLOYED_GRID, FlowerClients, FlowerTraffic, LogTraffic
+from workbench.engines.flower_settings import FlowerSettings
 from workbench.engines.lightning import LightningEngine
 
 
@@ -40,18 +41,20 @@ class FlowerRun:
 
 
 def fit_over_grid(grid: Grid, trainer: Trainer, engine: LightningEngine, datamodule, *, test: bool = True,
-                  node_wait_s: float = NODE_WAIT_S) -> FlowerRun:
-    """`trainer.fit(engine)` (and `trainer.test`) with every client's work on the SuperNodes of `grid`."""
+                  settings: FlowerSettings | None = None, **fit_args) -> FlowerRun:
+    """`trainer.fit(engine, **fit_args)` (and `trainer.test`) with every client's work on the
+    SuperNodes of `grid` (`fit_args`: Lightning's, e.g. `ckpt_path` to resume a fit: its clients
+    start afresh on their nodes)."""
     if trainer.world_size > 1:
         raise ValueError("the Flower engine runs the server in one process: set trainer.devices=1")
-    clients = FlowerClients(grid, engine.method, datamodule, node_wait_s)
+    clients = FlowerClients(grid, engine.method, datamodule, settings)
     engine.remote_clients, engine.clients = clients, None  # the engine's clients for this run: the nodes
     log_traffic = LogTraffic(clients.traffic)
     trainer.callbacks.append(log_traffic)  # type: ignore[attr-defined]  # Lightning sets it at run time
     run = FlowerRun(clients.traffic)
     try:
-        trainer.fit(engine, datamodule=datamodule)
-        if test and not trainer.interrupted:
+        trainer.fit(engine, datamodule=datamodule, **fit_args)
+        if test and not trainer.interrupted and engine.method.fitted:
             run.test_results = trainer.test(engine, datamodule=datamodule, verbose=False)
     finally:
         trainer.callbacks.remove(log_traffic)  # type: ignore[attr-defined]
@@ -90,31 +93,34 @@ def _short_link(target: Path) -> Iterator[Path]:
         link.unlink()
 
 
-def fit(trainer: Trainer, engine: LightningEngine, datamodule, *, test: bool = True, client_cpus: float = 1.0,
-        ray_init_args: dict | None = None, node_wait_s: float = NODE_WAIT_S) -> FlowerRun:
+def fit(trainer: Trainer, engine: LightningEngine, datamodule, *, test: bool = True,
+        settings: FlowerSettings | None = None, ray_init_args: dict | None = None, **fit_args) -> FlowerRun:
     """`trainer.fit(engine, datamodule)` and, with `test`, `trainer.test` over Flower; the method
     ends fitted and the run's metrics are logged as in process, plus `flower/*`.
 
     Inside a deployed ServerApp (`server_app`) the rounds go over its SuperNodes. Otherwise a
-    Flower simulation runs one SuperNode per client on Ray: `client_cpus` CPUs per ClientApp (so
-    at most cores / client_cpus of them at once), `ray_init_args` added to `ray.init`'s; Ray's
-    temporary files (RAY_TMPDIR) and FLWR_HOME go to `<trainer.log_dir>/flower`.
+    Flower simulation runs one SuperNode per client on Ray: `settings.client_cpus` CPUs per
+    ClientApp (so at most cores / client_cpus of them at once), `ray_init_args` added to
+    `ray.init`'s; Ray's temporary files (RAY_TMPDIR) and FLWR_HOME go to `<trainer.log_dir>/flower`.
+    `settings` (`FlowerSettings`) also hold the deadlines for the SuperNodes' replies; `fit_args`
+    go to `trainer.fit` (`ckpt_path`: resume).
     """
     if not isinstance(engine, LightningEngine):
         raise TypeError(f"the Flower engine runs a LightningEngine, got {type(engine).__name__}")
     start = time.perf_counter()
     datamodule.setup("fit")  # before any client: fills the feature cache the clients then read
+    settings = settings or FlowerSettings()
     grid = DEPLOYED_GRID.get()
     if grid is not None:
-        run = fit_over_grid(grid, trainer, engine, datamodule, test=test, node_wait_s=node_wait_s)
+        run = fit_over_grid(grid, trainer, engine, datamodule, test=test, settings=settings, **fit_args)
     else:
-        run = _simulate(trainer, engine, datamodule, test, client_cpus, ray_init_args or {}, node_wait_s)
+        run = _simulate(trainer, engine, datamodule, test, settings, ray_init_args or {}, fit_args)
     run.traffic.wall_s = time.perf_counter() - start
     return run
 
 
-def _simulate(trainer, engine, datamodule, test: bool, client_cpus: float, ray_init_args: dict,
-              node_wait_s: float) -> FlowerRun:
+def _simulate(trainer, engine, datamodule, test: bool, settings: FlowerSettings, ray_init_args: dict,
+              fit_args: dict) -> FlowerRun:
     if importlib.util.find_spec("ray") is None:
         raise ImportError(INSTALL_HINT)
     from flwr.simulation import run_simulation
@@ -124,11 +130,11 @@ def _simulate(trainer, engine, datamodule, test: bool, client_cpus: float, ray_i
 
     @server.main()
     def _rounds(grid: Grid, context: Context) -> None:
-        outcome["run"] = fit_over_grid(grid, trainer, engine, datamodule, test=test, node_wait_s=node_wait_s)
+        outcome["run"] = fit_over_grid(grid, trainer, engine, datamodule, test=test, settings=settings, **fit_args)
 
     num_clients = datamodule.num_clients
-    cpus = max(1, min(os.cpu_count() or 1, math.ceil(num_clients * client_cpus)))  # no idle Ray workers
-    backend = {"client_resources": {"num_cpus": client_cpus, "num_gpus": 0.0},
+    cpus = max(1, min(os.cpu_count() or 1, math.ceil(num_clients * settings.client_cpus)))  # no idle Ray workers
+    backend = {"client_resources": {"num_cpus": settings.client_cpus, "num_gpus": 0.0},
                "init_args": {"include_dashboard": False, "num_cpus": cpus, **ray_init_args}}
     run_dir = Path(trainer.log_dir or trainer.default_root_dir) / "flower"
     (run_dir / "ray").mkdir(parents=True, exist_ok=True)
@@ -137,7 +143,7 @@ def _simulate(trainer, engine, datamodule, test: bool, client_cpus: float, ray_i
             RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO="0"):  # no GPUs involved; silences Ray's notice
         run_simulation(server_app=server, client_app=client_app, num_supernodes=num_clients,
                        backend_config=backend)
-    if "run" not in outcome or not engine.method.fitted:
+    if "run" not in outcome:  # (a fit stopped by a signal ends its run, unfitted, with its checkpoint)
         raise RuntimeError("the Flower simulation ended before the last round; its log above says why")
     return outcome["run"]
 
@@ -153,7 +159,7 @@ def fit_over_flower(method, datamodule, federation=None, trainer_kwargs: dict | 
                     test: bool = True, **options) -> LightningEngine:
     """A method's full fit (and test) over a Flower simulation, as `LightningEngine` runs it in
     process: returns the engine (`engine.fit_metrics`, `engine.trainer.callback_metrics`,
-    `engine.local_accuracy`, `engine.flower_run`). `options` go to `fit` (client_cpus, ...)."""
+    `engine.local_accuracy`, `engine.flower_run`). `options` go to `fit` (settings, ray_init_args)."""
     engine = LightningEngine(method, federation)
     trainer = quiet_trainer(method.num_rounds, **(trainer_kwargs or {}))
     engine.flower_run = fit(trainer, engine, datamodule, test=test, **options)  # type: ignore[assignment]  # for the caller

@@ -11,23 +11,31 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import json
+import sys
 import time
 import uuid
 from collections.abc import Mapping
 
 import torch
 from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from lightning import Callback
 from torch import Tensor
 
 from workbench.engines.flower.spec import RunSpec, from_record, number, numbers, text, to_record
+from workbench.engines.flower_settings import FlowerSettings
 from workbench.engines.round import Replies, RoundRequest, add_metrics
 from workbench.federation import codec
 from workbench.federation.secure_aggregation import ring_sum
 from workbench.methods.base import FederatedMethod
 
-NODE_WAIT_S = 600.0  # how long the ServerApp waits for every SuperNode to connect
+# Flower's errors that mean a node is gone, not that its ClientApp failed: the client is dropped
+NODE_LOST = {ErrorCode.NODE_UNAVAILABLE: "its SuperNode stopped sending heartbeats",
+             ErrorCode.MESSAGE_UNAVAILABLE: "the message expired before its SuperNode took it",
+             ErrorCode.REPLY_MESSAGE_UNAVAILABLE: "its reply expired",
+             ErrorCode.CLIENT_APP_CRASHED: "its ClientApp process died"}
+POLL_S = (0.005, 0.1)  # replies are looked for after 5 ms, then twice as long each time, up to 0.1 s
 
 # Set by the deployed ServerApp while its experiment runs: the grid its rounds go over.
 DEPLOYED_GRID: contextvars.ContextVar[Grid | None] = contextvars.ContextVar("workbench_grid", default=None)
@@ -53,19 +61,7 @@ class FlowerTraffic:
                 "flower/client_compute_s": self.client_compute_s, "flower/client_cpu_s": self.client_cpu_s}
 
 
-def checked(replies, expected: int) -> list[Message]:
-    """The replies, or one error naming the ClientApp that failed or the replies that are missing."""
-    replies = list(replies)
-    for reply in replies:
-        if reply.has_error():
-            raise RuntimeError(f"the ClientApp on SuperNode {reply.metadata.src_node_id} failed: "
-                               f"{reply.error.reason}")
-    if len(replies) != expected:
-        raise RuntimeError(f"{expected - len(replies)} of {expected} SuperNodes did not reply")
-    return replies
-
-
-def wait_for_nodes(grid: Grid, count: int, timeout_s: float = NODE_WAIT_S) -> list[int]:
+def wait_for_nodes(grid: Grid, count: int, timeout_s: float) -> list[int]:
     """The ids of exactly `count` connected SuperNodes, waiting up to `timeout_s` for them."""
     deadline = time.monotonic() + timeout_s
     while len(nodes := sorted(grid.get_node_ids())) < count:
@@ -89,25 +85,41 @@ def _layout(layout: Mapping) -> dict[str, Tensor]:
 class FlowerClients:
     """The run's clients, each on the SuperNode that holds its partition (`partition-id` k).
 
+    A client whose node misses a deadline or is reported gone is dropped from that round
+    (`Replies.missing`) and is away from then on: later rounds drop it at once, without waiting,
+    until a SuperNode holding its partition connects (a restarted node): that node is introduced
+    after the round and serves the client from the next one (`rejoined`), starting from a fresh
+    client state (the method forgets what it sent the old node: `FederatedMethod.forget_clients`).
+
     Args:
         grid: the ServerApp's grid.
         method: the server half (its settings and upload spec; the clients rebuild it from them).
         datamodule: the server's copy of the data module (set up here): the spec the clients
             rebuild it from, and the sample counts each node must confirm.
-        node_wait_s: how long to wait for every SuperNode to connect.
+        settings: the deadlines (`FlowerSettings`).
     """
 
-    def __init__(self, grid: Grid, method: FederatedMethod, datamodule, node_wait_s: float = NODE_WAIT_S) -> None:
+    def __init__(self, grid: Grid, method: FederatedMethod, datamodule, settings: FlowerSettings | None = None) -> None:
         datamodule.setup("fit")
         self.grid: Grid | None = grid
         self.method, self.datamodule = method, datamodule
+        self.settings = settings or FlowerSettings()
         self.spec = RunSpec.of(method, datamodule)
         self.digest = self.spec.digest
         self.session = uuid.uuid4().hex  # the nodes' kept state belongs to this fit
         self.traffic = FlowerTraffic()
-        nodes = wait_for_nodes(grid, datamodule.num_clients, node_wait_s)
-        samples = torch.bincount(datamodule.train_client_ids, minlength=datamodule.num_clients)
-        self.nodes = self._introductions(nodes, samples)
+        self.samples = torch.bincount(datamodule.train_client_ids, minlength=datamodule.num_clients)
+        self.nodes: dict[int, int] = {}  # client -> the SuperNode serving it
+        self.away: dict[int, str] = {}  # client -> why it has no reachable node
+        self.spares: dict[int, int] = {}  # an introduced node serving no one yet -> the client it holds
+        self.retired: set[int] = set()  # nodes that lost their client: never asked again
+        self._rejoined: list[int] = []
+        nodes = wait_for_nodes(grid, datamodule.num_clients, self.settings.connect_s)
+        holders, missing = self._introductions(nodes)
+        if missing:
+            raise RuntimeError(f"SuperNodes {sorted(missing)} did not answer the fit's first message: "
+                               + "; ".join(sorted(set(missing.values()))))
+        self.nodes = {client: node for node, client in holders.items()}
 
     # ---- messages -----------------------------------------------------------------------------
     def _grid(self) -> Grid:
@@ -121,67 +133,137 @@ class FlowerClients:
         spec itself from their introduction), and the values."""
         return ConfigRecord({"session": self.session, "spec": self.digest, **values})
 
-    def _exchange(self, clients: list[int], contents: list[RecordDict], message_type: str,
-                  group: str) -> dict[int, RecordDict]:
-        """Sends each client its content; the replies' contents by client id, all checked."""
-        messages = [Message(content, dst_node_id=self.nodes[client], message_type=message_type, group_id=group)
-                    for client, content in zip(clients, contents, strict=True)]
-        for content in contents:
+    def _send(self, contents: Mapping[int, RecordDict], message_type: str,
+              group: str = "") -> tuple[dict[int, RecordDict], dict[int, str]]:
+        """Sends each node (key) its content and waits at most the deadline for the replies:
+        ({node: reply content}, {node: why its reply never came}). A ClientApp that failed is
+        an error; a node that is gone or silent is only missing."""
+        grid = self._grid()
+        messages = {node: Message(content, dst_node_id=node, message_type=message_type, group_id=group)
+                    for node, content in contents.items()}
+        for content in contents.values():
             if "broadcast" in content.array_records:
                 self.traffic.bytes_down += content.array_records["broadcast"].count_bytes()
-        replies = {}
-        for reply in checked(self._grid().send_and_receive(messages), len(messages)):
-            content = reply.content
-            report = content.metric_records["report"]
-            replies[int(number(report, "client_id"))] = content
-            self.traffic.bytes_up += sum(record.count_bytes() for record in content.array_records.values())
-            self.traffic.client_compute_s += number(report, "client_s")
-            self.traffic.client_cpu_s += number(report, "client_cpu_s")
-            self.traffic.messages += 1
-            self.traffic.builds += int(number(report, "built"))
-            self.traffic.restores += int(number(report, "restored"))
-        if sorted(replies) != sorted(clients):
-            raise RuntimeError(f"{message_type} {group}: asked clients {sorted(clients)}, got replies from "
-                               f"{sorted(replies)}")
-        return replies
+        taken = {str(i) for i in grid.push_messages(list(messages.values())) if i}
+        waiting = {message.metadata.message_id: node for node, message in messages.items()
+                   if message.metadata.message_id in taken}
+        missing = {node: "the SuperLink did not take its message" for node, message in messages.items()
+                   if message.metadata.message_id not in taken}
+        counted = message_type != "query"  # the traffic of the rounds, not of the introductions
+        replies: dict[int, RecordDict] = {}
+        deadline, pause = time.monotonic() + self.settings.deadline_s, POLL_S[0]
+        while waiting:
+            for reply in grid.pull_messages(list(waiting)):
+                node = waiting.pop(reply.metadata.reply_to_message_id)
+                if reply.has_error():
+                    if reply.error.code not in NODE_LOST:
+                        raise RuntimeError(f"the ClientApp on SuperNode {node} failed ({message_type}): "
+                                           f"{reply.error.reason}")
+                    missing[node] = NODE_LOST[reply.error.code]
+                    continue
+                replies[node] = reply.content
+                if counted:
+                    self._count(reply.content)
+            if waiting and time.monotonic() >= deadline:
+                missing.update({node: f"no reply within {self.settings.deadline_s:g} s" for node in waiting.values()})
+                break
+            if waiting:
+                time.sleep(pause)
+                pause = min(2 * pause, POLL_S[1])
+        return replies, missing
 
-    def _introductions(self, nodes: list[int], samples: Tensor) -> dict[int, int]:
-        """client id -> the SuperNode that holds it, from every node's own answer; each must hold
-        the `samples[k]` training samples the server's copy of the data gives client k."""
+    def _count(self, content: RecordDict) -> None:
+        report = content.metric_records["report"]
+        self.traffic.bytes_up += sum(record.count_bytes() for record in content.array_records.values())
+        self.traffic.client_compute_s += number(report, "client_s")
+        self.traffic.client_cpu_s += number(report, "client_cpu_s")
+        self.traffic.messages += 1
+        self.traffic.builds += int(number(report, "built"))
+        self.traffic.restores += int(number(report, "restored"))
+
+    def _exchange(self, contents: Mapping[int, RecordDict], message_type: str, group: str,
+                  round_index: int | None = None) -> tuple[dict[int, RecordDict], dict[int, str]]:
+        """Sends each reachable client (key) its content: ({client: reply content}, {client: why it
+        sent none}). A client that does not answer is away from then on; an away one is not sent to."""
+        missing = {client: self.away[client] for client in contents if client in self.away}
+        sent = {self.nodes[client]: content for client, content in contents.items() if client not in self.away}
+        by_node, lost = self._send(sent, message_type, group)
+        served = {node: client for client, node in self.nodes.items()}
+        replies = {}
+        for node, content in by_node.items():
+            client = int(number(content.metric_records["report"], "client_id"))
+            if client != served[node]:
+                raise RuntimeError(f"SuperNode {node} answered for client {client} but serves client {served[node]}")
+            replies[client] = content
+        when = f"round {round_index}" if round_index is not None else message_type
+        for node, why in lost.items():
+            client = served[node]
+            missing[client] = why
+            self.away[client] = f"its SuperNode was lost in {when} ({why})"
+            self.retired.add(node)
+        return replies, missing
+
+    def _introductions(self, nodes: list[int]) -> tuple[dict[int, int], dict[int, str]]:
+        """({node: the client it holds}, {node: why it did not answer}) from each node's own
+        answer; each must hold the `samples[k]` training samples the server's copy of the data
+        gives its client k, and no two of them the same client."""
         content = RecordDict({"spec": self.spec.to_record(), "round": self._settings()})  # the one with the spec
-        messages = [Message(content, dst_node_id=node, message_type="query") for node in nodes]
+        replies, missing = self._send(dict.fromkeys(nodes, content), "query")
         holders: dict[int, int] = {}
-        for reply in checked(self._grid().send_and_receive(messages), len(nodes)):
-            report = reply.content.metric_records["report"]
-            client, node = int(number(report, "client_id")), reply.metadata.src_node_id
-            if client in holders:
-                raise ValueError(f"SuperNodes {holders[client]} and {node} both hold partition-id {client}: "
+        for node, reply in sorted(replies.items()):
+            report = reply.metric_records["report"]
+            client = int(number(report, "client_id"))
+            if client in holders.values():
+                other = next(n for n, c in holders.items() if c == client)
+                raise ValueError(f"SuperNodes {other} and {node} both hold partition-id {client}: "
                                  "give each SuperNode its own")
             held = int(number(report, "num_samples"))
-            if held != int(samples[client]):
+            if held != int(self.samples[client]):
                 raise ValueError(f"SuperNode {node} holds {held} training samples of client {client} but the "
-                                 f"server's data gives it {int(samples[client])}: the machines load different data")
-            holders[client] = node
-        return holders
+                                 f"server's data gives it {int(self.samples[client])}: the machines load different "
+                                 "data")
+            holders[node] = client
+        return holders, missing
+
+    def _admit(self) -> None:
+        """Introduces the SuperNodes that connected since the fit began; one holding an away
+        client's partition serves it from the next round (`rejoined`)."""
+        if not self.away:
+            return
+        known = set(self.nodes.values()) | set(self.spares) | self.retired
+        if newcomers := sorted(set(self._grid().get_node_ids()) - known):
+            holders, _ = self._introductions(newcomers)  # one that does not answer is asked again next time
+            self.spares.update(holders)
+        for node, client in list(self.spares.items()):
+            if client in self.away:
+                del self.away[client], self.spares[node]
+                self.nodes[client] = node
+                self._rejoined.append(client)
 
     # ---- the transport's interface ------------------------------------------------------------
+    def rejoined(self) -> list[int]:
+        """The clients served again by a new SuperNode since the last call (their state starts
+        afresh on it), sorted."""
+        clients, self._rejoined = sorted(self._rejoined), []
+        return clients
+
     def update(self, request: RoundRequest) -> Replies:
         """One round on the cohort's nodes: every client computes (its state stays current); only
-        the survivors' uploads count, combined in client order (sums; stacks concatenated)."""
+        the survivors' uploads count, combined in client order (sums; stacks concatenated). A
+        survivor whose reply does not come is missing."""
         start = time.perf_counter()
         survivors, lost = request.survivors.tolist(), request.lost.tolist()
         secure_settings = "" if request.secure is None else json.dumps(request.secure.settings())
         clip_norm = -1.0 if request.clip_norm is None else float(request.clip_norm)
         down = to_record(request.broadcast)  # dense, as comm/bytes_down counts it (no broadcast is symmetric)
-        clients = sorted(survivors + lost)
-        contents = [RecordDict({"broadcast": down, "round": self._settings(
+        contents = {client: RecordDict({"broadcast": down, "round": self._settings(
             round=request.round_index, lost=client in lost, secure=secure_settings, clip_norm=clip_norm)})
-            for client in clients]
-        replies_by_client = self._exchange(clients, contents, "train", str(request.round_index))
+            for client in sorted(survivors + lost)}
+        replies_by_client, missing = self._exchange(contents, "train", str(request.round_index), request.round_index)
 
-        replies = Replies()
+        replies = Replies(missing={client: why for client, why in missing.items() if client in survivors})
         symmetric = codec.symmetric_names(request.spec)
-        for client in sorted(survivors):  # a fixed order: the combination does not depend on arrival
+        for client in sorted(set(survivors) - set(missing)):  # a fixed order: the sum does not depend on arrival
             reply = replies_by_client[client]
             add_metrics(replies.metric_sums, numbers(reply.metric_records["metrics"]))
             replies.bytes_up += int(number(reply.metric_records["report"], "bytes_up"))
@@ -195,33 +277,37 @@ class FlowerClients:
                 replies.layout = replies.layout or _layout(json.loads(text(reply.config_records["layout"], "json")))
         if replies.uploads is not None:
             replies.uploads = {name: value.to(_device(self.method)) for name, value in replies.uploads.items()}
+        self._admit()
         replies.client_s = time.perf_counter() - start  # the server's wait: transport included
         return replies
 
     def finish(self, final_broadcast: Mapping[str, Tensor]) -> tuple[dict[str, float], float]:
         """Every client receives the final broadcast and does its local work, keeping its state:
-        (metric sums over the clients, the server's wait when any client had work, else 0)."""
+        (metric sums over the clients, the server's wait when any client had work, else 0). A
+        client that does not answer does without it (named on stderr)."""
         start = time.perf_counter()
-        clients = sorted(self.nodes)
         down = to_record(final_broadcast)
-        contents = [RecordDict({"broadcast": down, "round": self._settings()}) for _ in clients]
-        replies = self._exchange(clients, contents, "train.finish", "finish")
+        contents = {client: RecordDict({"broadcast": down, "round": self._settings()}) for client in sorted(self.nodes)}
+        replies, missing = self._exchange(contents, "train.finish", "finish")
+        _warn_missing("the final broadcast", missing)
         metric_sums: dict[str, float] = {}
-        for client in clients:
-            add_metrics(metric_sums, numbers(replies[client].metric_records["metrics"]))
-        worked = any(number(replies[client].metric_records["report"], "worked") for client in clients)
+        for reply in replies.values():
+            add_metrics(metric_sums, numbers(reply.metric_records["metrics"]))
+        worked = any(number(reply.metric_records["report"], "worked") for reply in replies.values())
         return metric_sums, (time.perf_counter() - start) if worked else 0.0
 
     def local_accuracy(self) -> tuple[Tensor, Tensor]:
         """Each client's own model on its own local test split, scored on its node:
-        (correct (K,), total (K,)) int64, zeros without the personalized protocol."""
+        (correct (K,), total (K,)) int64, zeros without the personalized protocol (and for a
+        client that does not answer, named on stderr)."""
         correct = torch.zeros(self.method.num_clients, dtype=torch.long)
         total = torch.zeros_like(correct)
         if getattr(self.datamodule, "local_test_client_ids", None) is None:
             return correct, total
-        clients = sorted(self.nodes)
-        contents = [RecordDict({"round": self._settings()}) for _ in clients]
-        for client, reply in self._exchange(clients, contents, "evaluate", "local_test").items():
+        contents = {client: RecordDict({"round": self._settings()}) for client in sorted(self.nodes)}
+        replies, missing = self._exchange(contents, "evaluate", "local_test")
+        _warn_missing("the local tests", missing)
+        for client, reply in replies.items():
             report = reply.metric_records["report"]
             correct[client], total[client] = int(number(report, "correct")), int(number(report, "total"))
         return correct, total
@@ -233,6 +319,13 @@ class FlowerClients:
     def close(self) -> None:
         """The run ended: the nodes and their state are gone."""
         self.grid = None
+
+
+def _warn_missing(what: str, missing: Mapping[int, str]) -> None:
+    if missing:
+        print(f"{what} reached no reply from: " + "; ".join(f"client {client} ({why})"
+                                                            for client, why in sorted(missing.items())),
+              file=sys.stderr)
 
 
 def _device(method: FederatedMethod) -> torch.device:

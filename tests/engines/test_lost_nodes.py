@@ -1,0 +1,216 @@
+"""A SuperNode that dies or stalls mid-fit: its client is dropped from the round after the deadline
+(at once when Flower reports it gone), the round completes with the others — the same model as
+the in-process fit with that client dropped in that round — and a node that comes back serves
+its client again from the next round.
+
+The nodes live in this process (`LoopbackGrid`); a real deployment on loopback, a SuperNode
+killed by its process id, is `test_deployment.py`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("flwr", reason="the Flower engine needs the `flower` extra: pip install -e '.[flower]'")
+
+from tests.conftest import quiet_trainer
+from tests.engines.conformance import data
+from tests.engines.conftest import assert_same_state
+from workbench.engines import LightningEngine
+from workbench.engines.flower.loopback import FIRST_NODE, LoopbackGrid
+from workbench.engines.flower.simulation import fit_over_grid
+from workbench.engines.flower_settings import FlowerSettings
+from workbench.engines.local import LocalClients
+from workbench.engines.round import Replies, RoundRequest
+from workbench.federation import Federation
+from workbench.federation.local_training import LocalTraining
+from workbench.methods import AFL, DeepAFL, FedAvg
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+QUICK = FlowerSettings(deadline_s=0.05)  # a silent node is given up after 50 ms
+
+
+@pytest.fixture(autouse=True)
+def as_server(monkeypatch):
+    """Instruction Messages built outside a ServerApp (Flower reads the sender's ids); the grid
+    swaps the ClientApp's kept nodes, put back after the test."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from workbench.engines.flower import client_app
+
+    for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 0)):
+        monkeypatch.setattr(TaskIdentity, name, value, raising=False)
+    monkeypatch.setattr(client_app, "_nodes", {})
+
+
+class StagedGrid(LoopbackGrid):
+    """A loopback grid on which, when round r's train messages go out, `silenced[r]` nodes stop
+    answering, `gone[r]` are reported gone by Flower and `joined[r]` partitions get a new node."""
+
+    def __init__(self, num_clients: int, silenced=None, gone=None, joined=None) -> None:
+        super().__init__(num_clients)
+        self.staged = {"silence": silenced or {}, "lose": gone or {}, "join": joined or {}}
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        if messages and messages[0].metadata.message_type == "train":
+            round_index = int(messages[0].metadata.group_id)
+            for action, rounds in self.staged.items():
+                for target in rounds.pop(round_index, []):
+                    getattr(self, action)(target)
+        return super().push_messages(messages)
+
+
+class DroppingClients(LocalClients):
+    """In-process clients whose replies in given rounds never come (`dropped[r]`): the reference,
+    the in-process fit with those clients dropped in those rounds."""
+
+    dropped: dict[int, list[int]]
+
+    def update(self, request: RoundRequest) -> Replies:
+        gone = [c for c in self.dropped.get(request.round_index, []) if c in request.survivors.tolist()]
+        kept = request.survivors[~torch.isin(request.survivors, torch.tensor(gone, dtype=torch.long))]
+        replies = super().update(dataclasses.replace(request, survivors=kept))
+        replies.missing = dict.fromkeys(gone, "dropped here")
+        return replies
+
+
+def in_process(make, dropped: dict[int, list[int]], federation: Federation | None = None, num_clients: int = 3):
+    method, dm = make(), data(num_clients)
+    engine = LightningEngine(method, federation)
+    engine._local_clients = lambda d: _dropping(method, d, dropped)  # type: ignore[method-assign]
+    quiet_trainer(method).fit(engine, datamodule=dm)
+    return method, engine
+
+
+def _dropping(method, dm, dropped) -> DroppingClients:
+    clients = DroppingClients(method, dm.train_features, dm.train_labels, dm.train_client_ids,
+                              torch.unique(dm.train_client_ids), dm.hparams.batch_size)
+    clients.dropped = dropped
+    return clients
+
+
+def over_grid(make, grid: LoopbackGrid, federation: Federation | None = None, settings=QUICK):
+    method, dm = make(), data(grid.num_clients)
+    engine = LightningEngine(method, federation)
+    run = fit_over_grid(grid, quiet_trainer(method), engine, dm, settings=settings)
+    return method, engine, run
+
+
+def fedavg():
+    return FedAvg(num_rounds=4, architecture="mlp", hidden_dim=8, seed=3, local=LocalTraining(lr=0.1, batch_size=16))
+
+
+def test_a_silent_node_is_dropped_after_the_deadline_and_afl_is_the_ridge_of_the_others():
+    method, engine, _ = over_grid(lambda: AFL(gamma=1.0, gamma_out=0.1), StagedGrid(3, silenced={0: [FIRST_NODE + 1]}))
+    assert engine.fit_metrics["comm/clients_missing"] == 1 and engine.fit_metrics["comm/clients_in_round"] == 2
+    assert engine.client_events == [[0, 1, "missing", "no reply within 0.05 s"]]
+    reference, _ = in_process(lambda: AFL(gamma=1.0, gamma_out=0.1), {0: [1]})
+    assert_same_state(method, reference, 1e-8)
+    # and that is the centralized ridge on clients 0 and 2's rows, not a model of all three
+    dm = data()
+    rows = dm.train_client_ids != 1
+    alone = AFL(gamma=1.0, gamma_out=0.1)
+    fit_alone = LightningEngine(alone)
+    alone_dm = data()
+    alone_dm.train_features, alone_dm.train_labels = dm.train_features[rows], dm.train_labels[rows]
+    alone_dm.train_client_ids = dm.train_client_ids[rows]
+    quiet_trainer(alone).fit(fit_alone, datamodule=alone_dm)
+    assert_same_state(method, alone, 1e-8)
+
+
+def test_fedavg_with_a_node_lost_mid_fit_equals_in_process_with_its_client_dropped_from_then_on():
+    method, engine, run = over_grid(fedavg, StagedGrid(3, silenced={1: [FIRST_NODE + 2]}))
+    reference, reference_engine = in_process(fedavg, {1: [2], 2: [2], 3: [2]})  # away until a node comes back
+    assert_same_state(method, reference, 1e-6)
+    assert [event[:3] for event in engine.client_events] == [[1, 2, "missing"], [2, 2, "missing"],
+                                                             [3, 2, "missing"]]
+    assert engine.client_events[1][3].startswith("its SuperNode was lost in round 1")
+    assert engine.fit_metrics["comm/bytes_up"] == reference_engine.fit_metrics["comm/bytes_up"]
+    # replies of rounds 0-3 and of the final broadcast: the away node is not sent to again
+    assert run.traffic.messages == 3 + 2 + 2 + 2 + 2
+
+
+def test_flowers_report_of_a_gone_node_drops_its_client_without_waiting():
+    settings = FlowerSettings(deadline_s=3600)  # a silent node would hang the test
+    method, engine, _ = over_grid(fedavg, StagedGrid(3, gone={2: [FIRST_NODE]}), settings=settings)
+    reference, _ = in_process(fedavg, {2: [0], 3: [0]})
+    assert_same_state(method, reference, 1e-6)
+    assert engine.client_events[0] == [2, 0, "missing", "its SuperNode stopped sending heartbeats"]
+
+
+def test_a_restarted_node_serves_its_client_again_from_the_next_round():
+    grid = StagedGrid(3, silenced={1: [FIRST_NODE + 2]}, joined={1: [2]})  # killed and restarted in round 1
+    method, engine, _ = over_grid(fedavg, grid)
+    reference, _ = in_process(fedavg, {1: [2]})
+    assert_same_state(method, reference, 1e-6)
+    assert [event[:3] for event in engine.client_events] == [[1, 2, "missing"], [2, 2, "rejoined"]]
+
+
+def test_deepafl_restates_over_flower_and_a_rejoined_client_gets_every_omega_again():
+    def make():
+        return DeepAFL(num_layers=3, hidden_dim=16, block_dim=12, seed=1, schedule="fused")
+
+    grid = StagedGrid(3, silenced={2: [FIRST_NODE]}, joined={2: [0]})
+    method, engine, _ = over_grid(make, grid)
+    assert method.restates  # clients that may go missing: the recursion's sums asked again every round
+
+    def make_restating():
+        return DeepAFL(num_layers=3, hidden_dim=16, block_dim=12, seed=1, schedule="fused", restate=True)
+
+    reference, _ = in_process(make_restating, {2: [0]})
+    assert_same_state(method, reference, 1e-8)
+    assert engine.client_events[-1][:3] == [3, 0, "rejoined"]
+
+
+def test_deepafl_refuses_not_restating_where_clients_may_go_missing():
+    with pytest.raises(ValueError, match=r"restate=false.* leave model.restate unset"):
+        over_grid(lambda: DeepAFL(num_layers=2, hidden_dim=16, block_dim=12, restate=False), LoopbackGrid(3))
+
+
+@pytest.mark.parametrize("graph", ["complete", "sparse"])
+def test_secure_aggregation_recovers_a_lost_clients_masks_from_the_others(graph):
+    # SecAgg+ over 6 clients, each linked to 4 with a threshold of 2: one lost neighbour leaves 3 shares
+    federation = Federation(secure_aggregation=True, secure_aggregation_graph=graph, seed=2,
+                            **({"secagg_degree": 4, "secagg_threshold": 2} if graph == "sparse" else {}))
+    method, engine, _ = over_grid(fedavg, StagedGrid(6, silenced={1: [FIRST_NODE + 1]}), federation)
+    reference, _ = in_process(fedavg, {1: [1], 2: [1], 3: [1]}, federation, num_clients=6)
+    assert_same_state(method, reference, 1e-6)
+    assert engine.fit_metrics["comm/clients_in_round"] == 5
+
+
+def test_a_sparse_round_that_loses_too_many_neighbours_fails_naming_them():
+    federation = Federation(secure_aggregation=True, secure_aggregation_graph="sparse", secagg_degree=2,
+                            secagg_threshold=2, seed=2)
+    with pytest.raises(RuntimeError, match=r"round 1: .*lost this round: client 1 \(no reply within 0.05 s\)"):
+        over_grid(fedavg, StagedGrid(3, silenced={1: [FIRST_NODE + 1]}), federation)
+
+
+def test_a_round_that_reaches_no_client_ends_the_fit_naming_them():
+    grid = StagedGrid(3, silenced={1: [FIRST_NODE + k for k in range(3)]})
+    with pytest.raises(RuntimeError, match=r"round 1: no client's reply reached the server \(client 0 \(no reply"):
+        over_grid(fedavg, grid)
+
+
+def test_a_clientapp_that_fails_is_an_error_naming_its_node():
+    from flwr.app import Error, Message
+    from flwr.common.constant import ErrorCode
+
+    class FailingGrid(LoopbackGrid):
+        def push_messages(self, messages):
+            messages = list(messages)
+            ids = super().push_messages(messages)
+            for message, i in zip(messages, ids, strict=True):
+                if message.metadata.message_type == "train" and message.metadata.dst_node_id == FIRST_NODE + 1:
+                    self._replies[i] = Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, "boom"), reply_to=message)
+            return ids
+
+    with pytest.raises(RuntimeError, match=rf"the ClientApp on SuperNode {FIRST_NODE + 1} failed \(train\): boom"):
+        over_grid(fedavg, FailingGrid(3))
+
+
+def test_flower_settings_are_checked():
+    with pytest.raises(ValueError, match=r"flower.deadline_s must be a number of seconds > 0"):
+        FlowerSettings(deadline_s=0)
