@@ -1,7 +1,8 @@
-"""A SuperNode that dies or stalls mid-fit: its client is dropped from the round after the deadline
-(at once when Flower reports it gone), the round completes with the others — the same model as
-the in-process fit with that client dropped in that round — and a node that comes back serves
-its client again from the next round.
+"""Faults over Flower. A SuperNode that dies or stalls mid-fit: its client is dropped from the
+round after the deadline (at once when Flower reports it gone), the round completes with the
+others — the same model as the in-process fit with that client dropped in that round — and a node
+that comes back serves its client again from the next round. A server that stops: its fit
+resumes from the checkpoint over new nodes.
 
 The nodes live in this process (`LoopbackGrid`); a real deployment on loopback, a SuperNode
 killed by its process id, is `test_deployment.py`.
@@ -214,3 +215,24 @@ def test_a_clientapp_that_fails_is_an_error_naming_its_node():
 def test_flower_settings_are_checked():
     with pytest.raises(ValueError, match=r"flower.deadline_s must be a number of seconds > 0"):
         FlowerSettings(deadline_s=0)
+
+
+# ---- a fit resumed over new nodes ------------------------------------------------------------------
+@pytest.mark.parametrize("make", [fedavg, lambda: DeepAFL(num_layers=3, hidden_dim=16, block_dim=12, seed=1)],
+                         ids=["FedAvg", "DeepAFL"])
+def test_a_fit_resumed_from_its_checkpoint_over_new_nodes_equals_the_uninterrupted_fit(make, tmp_path):
+    """The server stops after round 2 (its checkpoint holds the global model and the round); the
+    resumed fit is a new Flower run: new nodes, every client's state afresh (DeepAFL resends its
+    Ω_t), the same model as the fit that never stopped."""
+    method, _, _ = over_grid(make, LoopbackGrid(3))
+    first, dm = make(), data()
+    stopped = quiet_trainer(first, max_epochs=2, default_root_dir=tmp_path)
+    fit_over_grid(LoopbackGrid(3), stopped, LightningEngine(first), dm, settings=QUICK)
+    assert first.round == 2 and not first.fitted
+    stopped.save_checkpoint(tmp_path / "last.ckpt", weights_only=False)
+    resumed = make()
+    engine = LightningEngine(resumed)
+    fit_over_grid(LoopbackGrid(3), quiet_trainer(resumed), engine, data(), settings=QUICK,
+                  ckpt_path=tmp_path / "last.ckpt", weights_only=False)
+    assert resumed.fitted and resumed.round == method.round
+    assert_same_state(resumed, method, 1e-8)
