@@ -150,6 +150,21 @@ def test_a_restarted_node_serves_its_client_again_from_the_next_round():
     assert [event[:3] for event in engine.client_events] == [[1, 2, "missing"], [2, 2, "rejoined"]]
 
 
+def test_a_node_back_after_the_last_round_gets_the_final_broadcast_with_every_omega():
+    def make():
+        return DeepAFL(num_layers=2, hidden_dim=16, block_dim=12, seed=1)
+
+    grid = StagedGrid(3, silenced={2: [FIRST_NODE + 1]}, joined={2: [1]})  # lost and back in the last round
+    method, engine, run = over_grid(make, grid)
+    assert engine.client_events[-1][:3] == [3, 1, "rejoined"]
+    node = grid.contexts[max(grid.contexts)]  # the new node's client: a fresh half that received Ω_1, Ω_2
+    from workbench.engines.flower.client_app import STATE_KEY
+    from workbench.engines.flower.spec import record_views
+
+    omega = record_views(node.state.array_records[STATE_KEY])["omega"]
+    assert torch.equal(omega, method.omega)
+
+
 def test_deepafl_restates_over_flower_and_a_rejoined_client_gets_every_omega_again():
     def make():
         return DeepAFL(num_layers=3, hidden_dim=16, block_dim=12, seed=1, schedule="fused")

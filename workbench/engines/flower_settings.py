@@ -18,8 +18,8 @@ from dataclasses import dataclass
 class FlowerSettings:
     """deadline_s: seconds a round (or the final broadcast, or a local test) waits for its clients'
     replies; those that miss it are dropped from the round. connect_s: seconds the fit waits for
-    every SuperNode to connect before its first round. client_cpus: CPUs per ClientApp in a local
-    simulation (at most cores / client_cpus of them at once)."""
+    every SuperNode to connect and answer its first message (which may set up the node's data).
+    client_cpus: CPUs per ClientApp in a local simulation (at most cores / client_cpus at once)."""
 
     deadline_s: float = 600.0
     connect_s: float = 600.0

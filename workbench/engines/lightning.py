@@ -55,6 +55,8 @@ from workbench.methods.base import FederatedMethod, Problem
 from workbench.runlog import save_client_events, save_per_client_table
 from workbench.settings import init_arguments, plain
 
+REJOINED = "served by a new node, its client state afresh"
+
 
 @runtime_checkable
 class ScoresLocally(Protocol):
@@ -294,21 +296,26 @@ class LightningEngine(LightningModule):
         for name, seconds in result.client_time_sums.items():
             totals[name] = times[name] = totals.get(name, 0.0) + seconds
         self.fit_metrics.update({**result.metrics, **times})
-        events = [[result.round_index, client, "rejoined", "served by a new node, its client state afresh"]
-                  for client in result.rejoined]
-        events += [[result.round_index, client, "missing", why] for client, why in sorted(result.missing.items())]
-        if events:
-            self.client_events += events
-            save_client_events(self.client_events, self.trainer)
-            if self.trainer.is_global_zero:
-                for round_index, client, event, why in events:
-                    print(f"round {round_index}: client {client} {event} ({why})", file=sys.stderr)
+        missing = sorted(result.missing.items())
+        self._log_events([[result.round_index, client, "rejoined", REJOINED] for client in result.rejoined]
+                         + [[result.round_index, client, "missing", why] for client, why in missing])
         if self.protocol.privacy.clip_norm is not None:
             totals["dp_clip_norm"] = self.protocol.privacy.clip_norm
+
+    def _log_events(self, events: list[list]) -> None:
+        """Clients' [round, client, event, why] rows: into `client_events.csv` and on stderr."""
+        if not events:
+            return
+        self.client_events += events
+        save_client_events(self.client_events, self.trainer)
+        if self.trainer.is_global_zero:
+            for round_index, client, event, why in events:
+                print(f"round {round_index}: client {client} {event} ({why})", file=sys.stderr)
 
     def _finish(self) -> None:
         """The final broadcast to every client, and their local work on it."""
         final = run_final(self.method, self.transport)
+        self._log_events([[self.method.round, client, "rejoined", REJOINED] for client in final.rejoined])
         self._totals["bytes_down"] += final.bytes_down
         self._totals["client_s"] += final.client_s
         served = max(len(self.available), 1)

@@ -179,9 +179,7 @@ def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtoc
     federation, privacy = protocol.federation, protocol.privacy
     round_index = method.round
     start = time.perf_counter()
-    rejoined = transport.rejoined() if isinstance(transport, Rejoins) else []
-    if rejoined:  # a fresh client state on a new node: what its old node was sent is not there
-        method.forget_clients(torch.tensor(rejoined, dtype=torch.long, device=available.device))
+    rejoined = _rejoin(method, transport, available.device)
     plan = method.plan_round(federation.sampled_clients(round_index, available))
     cohort = plan.clients.to(available.device)
     dropped = federation.dropped_clients(round_index, method.num_clients).to(cohort.device)[cohort]
@@ -246,6 +244,15 @@ def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtoc
                        missing=dict(replies.missing), rejoined=rejoined)
 
 
+def _rejoin(method: FederatedMethod, transport: Transport, device: torch.device) -> list[int]:
+    """The clients a remote transport serves again on new nodes since the last round; the method
+    forgets what it sent their old nodes (their state there starts afresh)."""
+    rejoined = transport.rejoined() if isinstance(transport, Rejoins) else []
+    if rejoined:
+        method.forget_clients(torch.tensor(rejoined, dtype=torch.long, device=device))
+    return rejoined
+
+
 def _named(missing: Mapping[int, str]) -> str:
     """The missing clients and why, for an error: 'client 2 (no reply within 30 s)'."""
     return ", ".join(f"client {client} ({why})" for client, why in sorted(missing.items()))
@@ -253,20 +260,23 @@ def _named(missing: Mapping[int, str]) -> str:
 
 @dataclass
 class FinalResult:
-    """The final broadcast's delivery: its bytes to every client, the clients' metric sums and seconds."""
+    """The final broadcast's delivery: its bytes to every client, the clients' metric sums and
+    seconds, and the clients served again on new nodes since the last round."""
 
     bytes_down: int
     metric_sums: dict[str, float]
     client_s: float
+    rejoined: list[int] = field(default_factory=list)
 
 
 def run_final(method: FederatedMethod, transport: Transport) -> FinalResult:
     """After the last round: every client receives `method.final_broadcast()` and does its local
     work (`ClientHalf.finish`); the method is then fitted."""
+    rejoined = _rejoin(method, transport, next(iter(method.buffers())).device)
     final = method.final_broadcast()
     metric_sums, client_s = transport.finish(final)
     method.mark_fitted()
-    return FinalResult(messages_bytes(final) * method.num_clients, metric_sums, client_s)
+    return FinalResult(messages_bytes(final) * method.num_clients, metric_sums, client_s, rejoined)
 
 
 def check_finite_uploads(uploads: Mapping[str, Tensor], round_index: int, method: str, clients: Tensor) -> None:

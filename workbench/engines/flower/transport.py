@@ -113,6 +113,7 @@ class FlowerClients:
         self.away: dict[int, str] = {}  # client -> why it has no reachable node
         self.spares: dict[int, int] = {}  # an introduced node serving no one yet -> the client it holds
         self.retired: set[int] = set()  # nodes that lost their client: never asked again
+        self._introducing: dict[str, int] = {}  # newcomers' introductions not answered yet: message id -> node
         self._rejoined: list[int] = []
         nodes = wait_for_nodes(grid, datamodule.num_clients, self.settings.connect_s)
         holders, missing = self._introductions(nodes)
@@ -133,27 +134,43 @@ class FlowerClients:
         spec itself from their introduction), and the values."""
         return ConfigRecord({"session": self.session, "spec": self.digest, **values})
 
-    def _send(self, contents: Mapping[int, RecordDict], message_type: str,
-              group: str = "") -> tuple[dict[int, RecordDict], dict[int, str]]:
-        """Sends each node (key) its content and waits at most the deadline for the replies:
-        ({node: reply content}, {node: why its reply never came}). A ClientApp that failed is
-        an error; a node that is gone or silent is only missing."""
-        grid = self._grid()
+    def _send(self, contents: Mapping[int, RecordDict], message_type: str, group: str = "",
+              deadline_s: float | None = None) -> tuple[dict[int, RecordDict], dict[int, str]]:
+        """Sends each node (key) its content and waits at most `deadline_s` (default the
+        settings' `deadline_s`) for the replies: ({node: reply content}, {node: why its reply
+        never came}). A ClientApp that failed is an error; a node that is gone or silent is only
+        missing."""
+        waiting, missing = self._push(contents, message_type, group)
+        replies, lost = self._collect(waiting, message_type, self.settings.deadline_s if deadline_s is None
+                                      else deadline_s)
+        return replies, {**missing, **lost}
+
+    def _push(self, contents: Mapping[int, RecordDict], message_type: str,
+              group: str = "") -> tuple[dict[str, int], dict[int, str]]:
+        """Sends each node (key) its content: ({message id: node}, {node: why it was not sent})."""
         messages = {node: Message(content, dst_node_id=node, message_type=message_type, group_id=group)
                     for node, content in contents.items()}
         for content in contents.values():
             if "broadcast" in content.array_records:
                 self.traffic.bytes_down += content.array_records["broadcast"].count_bytes()
-        taken = {str(i) for i in grid.push_messages(list(messages.values())) if i}
+        taken = {str(i) for i in self._grid().push_messages(list(messages.values())) if i}
         waiting = {message.metadata.message_id: node for node, message in messages.items()
                    if message.metadata.message_id in taken}
         missing = {node: "the SuperLink did not take its message" for node, message in messages.items()
                    if message.metadata.message_id not in taken}
+        return waiting, missing
+
+    def _collect(self, waiting: dict[str, int], message_type: str,
+                 deadline_s: float) -> tuple[dict[int, RecordDict], dict[int, str]]:
+        """The replies to the `waiting` messages ({message id: node}; those answered are taken
+        out) that come within `deadline_s` (0: those already there): ({node: reply content},
+        {node: why it sent none}); nodes still waiting after a deadline > 0 are missing."""
         counted = message_type != "query"  # the traffic of the rounds, not of the introductions
         replies: dict[int, RecordDict] = {}
-        deadline, pause = time.monotonic() + self.settings.deadline_s, POLL_S[0]
+        missing: dict[int, str] = {}
+        deadline, pause = time.monotonic() + deadline_s, POLL_S[0]
         while waiting:
-            for reply in grid.pull_messages(list(waiting)):
+            for reply in self._grid().pull_messages(list(waiting)):
                 node = waiting.pop(reply.metadata.reply_to_message_id)
                 if reply.has_error():
                     if reply.error.code not in NODE_LOST:
@@ -164,12 +181,14 @@ class FlowerClients:
                 replies[node] = reply.content
                 if counted:
                     self._count(reply.content)
-            if waiting and time.monotonic() >= deadline:
-                missing.update({node: f"no reply within {self.settings.deadline_s:g} s" for node in waiting.values()})
+            if not waiting or deadline_s == 0:
                 break
-            if waiting:
-                time.sleep(pause)
-                pause = min(2 * pause, POLL_S[1])
+            if time.monotonic() >= deadline:
+                missing.update({node: f"no reply within {deadline_s:g} s" for node in waiting.values()})
+                waiting.clear()
+                break
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_S[1])
         return replies, missing
 
     def _count(self, content: RecordDict) -> None:
@@ -203,12 +222,21 @@ class FlowerClients:
             self.retired.add(node)
         return replies, missing
 
+    def _introduction(self) -> RecordDict:
+        return RecordDict({"spec": self.spec.to_record(), "round": self._settings()})  # the one with the spec
+
     def _introductions(self, nodes: list[int]) -> tuple[dict[int, int], dict[int, str]]:
         """({node: the client it holds}, {node: why it did not answer}) from each node's own
-        answer; each must hold the `samples[k]` training samples the server's copy of the data
-        gives its client k, and no two of them the same client."""
-        content = RecordDict({"spec": self.spec.to_record(), "round": self._settings()})  # the one with the spec
-        replies, missing = self._send(dict.fromkeys(nodes, content), "query")
+        answer, waiting at most `connect_s` (a node's first message may set up its data: a
+        feature extraction); see `_holders`."""
+        replies, missing = self._send(dict.fromkeys(nodes, self._introduction()), "query",
+                                      deadline_s=self.settings.connect_s)
+        return self._holders(replies), missing
+
+    def _holders(self, replies: Mapping[int, RecordDict]) -> dict[int, int]:
+        """{node: the client it holds} from the nodes' answers to their introduction; each must
+        hold the `samples[k]` training samples the server's copy of the data gives its client k,
+        and no two of them the same client."""
         holders: dict[int, int] = {}
         for node, reply in sorted(replies.items()):
             report = reply.metric_records["report"]
@@ -223,17 +251,22 @@ class FlowerClients:
                                  f"server's data gives it {int(self.samples[client])}: the machines load different "
                                  "data")
             holders[node] = client
-        return holders, missing
+        return holders
 
     def _admit(self) -> None:
-        """Introduces the SuperNodes that connected since the fit began; one holding an away
-        client's partition serves it from the next round (`rejoined`)."""
-        if not self.away:
+        """Introduces the SuperNodes that connected since the fit began, without waiting for
+        their answers (a new node may take long to set up its data; its answer is read at a
+        later round's end); one holding an away client's partition serves it from the next round
+        (`rejoined`)."""
+        if not self.away and not self._introducing:
             return
-        known = set(self.nodes.values()) | set(self.spares) | self.retired
+        known = set(self.nodes.values()) | set(self.spares) | self.retired | set(self._introducing.values())
         if newcomers := sorted(set(self._grid().get_node_ids()) - known):
-            holders, _ = self._introductions(newcomers)  # one that does not answer is asked again next time
-            self.spares.update(holders)
+            waiting, _ = self._push(dict.fromkeys(newcomers, self._introduction()), "query")
+            self._introducing.update(waiting)
+        replies, gone = self._collect(self._introducing, "query", deadline_s=0)
+        self.retired.update(gone)
+        self.spares.update(self._holders(replies))
         for node, client in list(self.spares.items()):
             if client in self.away:
                 del self.away[client], self.spares[node]
