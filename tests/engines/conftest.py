@@ -2,17 +2,23 @@
 Flower beside the same fit in process."""
 from __future__ import annotations
 
+import contextlib
 import csv
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from tests.conftest import ROOT, fit
 from workbench.data import FederatedDataModule, SyntheticBlobs
+from workbench.engines import LightningEngine
+from workbench.engines.local import LocalClients
+from workbench.engines.round import Replies, RoundRequest
 from workbench.federation import Federation
 from workbench.federation.compression import Compression
 from workbench.federation.local_training import LocalTraining
@@ -97,3 +103,35 @@ def over_both(make, data_options: dict, federation: Federation | None, tmp_path)
     engine = simulation.fit_over_flower(method, three_clients(**data_options), federation,
                                         {"default_root_dir": tmp_path})
     return engine, engine_here
+
+
+class DroppingClients(LocalClients):
+    """In-process clients whose replies in given rounds never come (`dropped[r]`: client ids), as
+    a remote transport reports lost nodes: the reference fit with those clients dropped there."""
+
+    dropped: dict[int, list[int]]
+
+    def update(self, request: RoundRequest) -> Replies:
+        gone = [c for c in self.dropped.get(request.round_index, []) if c in request.survivors.tolist()]
+        kept = request.survivors[~torch.isin(request.survivors, torch.tensor(gone, dtype=torch.long))]
+        replies = super().update(dataclasses.replace(request, survivors=kept))
+        replies.missing = dict.fromkeys(gone, "dropped here")
+        return replies
+
+
+@contextlib.contextmanager
+def dropping_clients(dropped: dict[int, list[int]]) -> Iterator[None]:
+    """In-process fits in the block run their clients as `DroppingClients` losing `dropped`."""
+    own = LightningEngine._local_clients
+
+    def local_clients(engine, data) -> DroppingClients:
+        clients = DroppingClients(engine.method, data.train_features, data.train_labels, data.train_client_ids,
+                                  torch.unique(data.train_client_ids), data.hparams.batch_size)
+        clients.dropped = dropped
+        return clients
+
+    LightningEngine._local_clients = local_clients  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        LightningEngine._local_clients = own  # type: ignore[method-assign]

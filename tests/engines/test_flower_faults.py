@@ -9,8 +9,6 @@ killed by its process id, is `test_deployment.py`.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -18,13 +16,11 @@ pytest.importorskip("flwr", reason="the Flower engine needs the `flower` extra: 
 
 from tests.conftest import quiet_trainer
 from tests.engines.conformance import data
-from tests.engines.conftest import assert_same_state
+from tests.engines.conftest import assert_same_state, dropping_clients
 from workbench.engines import LightningEngine
 from workbench.engines.flower.loopback import FIRST_NODE, LoopbackGrid
 from workbench.engines.flower.simulation import fit_over_grid
 from workbench.engines.flower_settings import FlowerSettings
-from workbench.engines.local import LocalClients
-from workbench.engines.round import Replies, RoundRequest
 from workbench.federation import Federation
 from workbench.federation.local_training import LocalTraining
 from workbench.methods import AFL, DeepAFL, FedAvg
@@ -48,11 +44,12 @@ def as_server(monkeypatch):
 
 class StagedGrid(LoopbackGrid):
     """A loopback grid on which, when round r's train messages go out, `silenced[r]` nodes stop
-    answering, `gone[r]` are reported gone by Flower and `joined[r]` partitions get a new node."""
+    answering, `stalled[r]` answer late, `gone[r]` are reported gone by Flower and `joined[r]`
+    partitions get a new node."""
 
-    def __init__(self, num_clients: int, silenced=None, gone=None, joined=None) -> None:
+    def __init__(self, num_clients: int, silenced=None, gone=None, joined=None, stalled=None) -> None:
         super().__init__(num_clients)
-        self.staged = {"silence": silenced or {}, "lose": gone or {}, "join": joined or {}}
+        self.staged = {"silence": silenced or {}, "lose": gone or {}, "join": joined or {}, "stall": stalled or {}}
 
     def push_messages(self, messages):
         messages = list(messages)
@@ -64,33 +61,13 @@ class StagedGrid(LoopbackGrid):
         return super().push_messages(messages)
 
 
-class DroppingClients(LocalClients):
-    """In-process clients whose replies in given rounds never come (`dropped[r]`): the reference,
-    the in-process fit with those clients dropped in those rounds."""
-
-    dropped: dict[int, list[int]]
-
-    def update(self, request: RoundRequest) -> Replies:
-        gone = [c for c in self.dropped.get(request.round_index, []) if c in request.survivors.tolist()]
-        kept = request.survivors[~torch.isin(request.survivors, torch.tensor(gone, dtype=torch.long))]
-        replies = super().update(dataclasses.replace(request, survivors=kept))
-        replies.missing = dict.fromkeys(gone, "dropped here")
-        return replies
-
-
 def in_process(make, dropped: dict[int, list[int]], federation: Federation | None = None, num_clients: int = 3):
+    """The in-process fit of `make()` with `dropped[r]` clients' replies lost in round r."""
     method, dm = make(), data(num_clients)
     engine = LightningEngine(method, federation)
-    engine._local_clients = lambda d: _dropping(method, d, dropped)  # type: ignore[method-assign]
-    quiet_trainer(method).fit(engine, datamodule=dm)
+    with dropping_clients(dropped):
+        quiet_trainer(method).fit(engine, datamodule=dm)
     return method, engine
-
-
-def _dropping(method, dm, dropped) -> DroppingClients:
-    clients = DroppingClients(method, dm.train_features, dm.train_labels, dm.train_client_ids,
-                              torch.unique(dm.train_client_ids), dm.hparams.batch_size)
-    clients.dropped = dropped
-    return clients
 
 
 def over_grid(make, grid: LoopbackGrid, federation: Federation | None = None, settings=QUICK):
@@ -142,6 +119,13 @@ def test_flowers_report_of_a_gone_node_drops_its_client_without_waiting():
     assert engine.client_events[0] == [2, 0, "missing", "its SuperNode stopped sending heartbeats"]
 
 
+def test_a_slow_node_is_dropped_until_its_late_reply_comes_then_serves_again_with_its_state():
+    method, engine, _ = over_grid(fedavg, StagedGrid(3, stalled={1: [FIRST_NODE + 2]}))
+    reference, _ = in_process(fedavg, {1: [2], 2: [2]})  # its round-1 reply comes during round 2
+    assert_same_state(method, reference, 1e-6)
+    assert engine.client_events[-1] == [3, 2, "rejoined", "its node answered late: its client state kept"]
+
+
 def test_a_restarted_node_serves_its_client_again_from_the_next_round():
     grid = StagedGrid(3, silenced={1: [FIRST_NODE + 2]}, joined={1: [2]})  # killed and restarted in round 1
     method, engine, _ = over_grid(fedavg, grid)
@@ -155,7 +139,7 @@ def test_a_node_back_after_the_last_round_gets_the_final_broadcast_with_every_om
         return DeepAFL(num_layers=2, hidden_dim=16, block_dim=12, seed=1)
 
     grid = StagedGrid(3, silenced={2: [FIRST_NODE + 1]}, joined={2: [1]})  # lost and back in the last round
-    method, engine, run = over_grid(make, grid)
+    method, engine, _ = over_grid(make, grid)
     assert engine.client_events[-1][:3] == [3, 1, "rejoined"]
     node = grid.contexts[max(grid.contexts)]  # the new node's client: a fresh half that received Ω_1, Ω_2
     from workbench.engines.flower.client_app import STATE_KEY

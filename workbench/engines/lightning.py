@@ -55,7 +55,11 @@ from workbench.methods.base import FederatedMethod, Problem
 from workbench.runlog import save_client_events, save_per_client_table
 from workbench.settings import init_arguments, plain
 
-REJOINED = "served by a new node, its client state afresh"
+
+def rejoined_events(round_index: int, rejoined: dict[int, bool]) -> list[list]:
+    """[round, client, "rejoined", why] rows of the clients served again (-> whether afresh)."""
+    return [[round_index, client, "rejoined", "a new node: its client state afresh" if fresh
+             else "its node answered late: its client state kept"] for client, fresh in rejoined.items()]
 
 
 @runtime_checkable
@@ -297,7 +301,7 @@ class LightningEngine(LightningModule):
             totals[name] = times[name] = totals.get(name, 0.0) + seconds
         self.fit_metrics.update({**result.metrics, **times})
         missing = sorted(result.missing.items())
-        self._log_events([[result.round_index, client, "rejoined", REJOINED] for client in result.rejoined]
+        self._log_events(rejoined_events(result.round_index, result.rejoined)
                          + [[result.round_index, client, "missing", why] for client, why in missing])
         if self.protocol.privacy.clip_norm is not None:
             totals["dp_clip_norm"] = self.protocol.privacy.clip_norm
@@ -315,7 +319,7 @@ class LightningEngine(LightningModule):
     def _finish(self) -> None:
         """The final broadcast to every client, and their local work on it."""
         final = run_final(self.method, self.transport)
-        self._log_events([[self.method.round, client, "rejoined", REJOINED] for client in final.rejoined])
+        self._log_events(rejoined_events(self.method.round, final.rejoined))
         self._totals["bytes_down"] += final.bytes_down
         self._totals["client_s"] += final.client_s
         served = max(len(self.available), 1)

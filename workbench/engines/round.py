@@ -2,9 +2,9 @@
 
     result = run_round(method, transport, protocol, available)
 
-0. **rejoin**: a remote transport's clients served again by a new node since the last round
-   (`rejoined()`, e.g. a restarted SuperNode) start afresh there: the method forgets what it sent
-   their old nodes (`FederatedMethod.forget_clients`);
+0. **rejoin**: a remote transport's clients served again since the last round (`rejoined()`):
+   those on a new node (a restarted SuperNode) start afresh there, so the method forgets what it
+   sent their old nodes (`FederatedMethod.forget_clients`); a slow node's keep their state;
 1. **plan**: the server half plans round t on the protocol's cohort of the `available` clients
    (`Federation.sampled_clients`, then `FederatedMethod.plan_round`): who takes part, and the
    broadcast;
@@ -120,10 +120,11 @@ class Transport(Protocol):
 
 @runtime_checkable
 class Rejoins(Protocol):
-    """A transport whose clients can come back on a new node, with a fresh state (Flower's)."""
+    """A transport whose clients can go missing and come back (Flower's)."""
 
-    def rejoined(self) -> list[int]:
-        """The clients served by a new node since the last call, sorted."""
+    def rejoined(self) -> dict[int, bool]:
+        """The clients served again since the last call -> whether their state starts afresh
+        (a new node) rather than kept (their node was only slow)."""
         ...
 
 
@@ -154,7 +155,7 @@ class RoundResult:
     client_time_sums: dict[str, float] = field(default_factory=dict)
     secagg_costs: dict[str, int] = field(default_factory=dict)
     missing: dict[int, str] = field(default_factory=dict)
-    rejoined: list[int] = field(default_factory=list)
+    rejoined: dict[int, bool] = field(default_factory=dict)
 
 
 @dataclass
@@ -244,12 +245,12 @@ def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtoc
                        missing=dict(replies.missing), rejoined=rejoined)
 
 
-def _rejoin(method: FederatedMethod, transport: Transport, device: torch.device) -> list[int]:
-    """The clients a remote transport serves again on new nodes since the last round; the method
-    forgets what it sent their old nodes (their state there starts afresh)."""
-    rejoined = transport.rejoined() if isinstance(transport, Rejoins) else []
-    if rejoined:
-        method.forget_clients(torch.tensor(rejoined, dtype=torch.long, device=device))
+def _rejoin(method: FederatedMethod, transport: Transport, device: torch.device) -> dict[int, bool]:
+    """The clients a remote transport serves again since the last round (-> whether afresh); the
+    method forgets what it sent the old nodes of those that start afresh on new ones."""
+    rejoined = transport.rejoined() if isinstance(transport, Rejoins) else {}
+    if afresh := [client for client, fresh in rejoined.items() if fresh]:
+        method.forget_clients(torch.tensor(afresh, dtype=torch.long, device=device))
     return rejoined
 
 
@@ -266,7 +267,7 @@ class FinalResult:
     bytes_down: int
     metric_sums: dict[str, float]
     client_s: float
-    rejoined: list[int] = field(default_factory=list)
+    rejoined: dict[int, bool] = field(default_factory=dict)
 
 
 def run_final(method: FederatedMethod, transport: Transport) -> FinalResult:

@@ -6,7 +6,8 @@ pulled, as on a SuperLink. What a real federation does to a server can be staged
 
 - `processes` copies of the nodes' clients, as a Ray simulation's actors hold them: each message
   is handled by the copy `process_of(node, exchange)` names (default: one process);
-- `silence(node)`: the node stops answering (killed, or stalled), so its replies never come;
+- `silence(node)`: the node stops answering (killed), so its replies never come;
+- `stall(node)`: the node is slow once: its next reply comes only with the exchange after;
 - `lose(node)`: Flower reports the node gone (its heartbeats stopped): an error reply;
 - `join(partition)`: a new SuperNode (a restarted one) connects and holds that partition.
 """
@@ -36,8 +37,10 @@ class LoopbackGrid:
         self.process_of = process_of or (lambda node, exchange: 0)
         self.exchanges = 0  # the push_messages calls so far
         self.silent: set[int] = set()
+        self.stalled: set[int] = set()
         self.gone: set[int] = set()
         self._replies: dict[str, Message] = {}
+        self._held: dict[str, Message] = {}  # stalled nodes' replies, released by the next exchange
 
     def join(self, partition: int, node: int | None = None) -> int:
         """A SuperNode holding `partition` connects (a fresh one: empty state); its node id."""
@@ -50,6 +53,10 @@ class LoopbackGrid:
         """The node stops answering: messages to it get no reply."""
         self.silent.add(node)
 
+    def stall(self, node: int) -> None:
+        """The node's next reply comes late: only once the next exchange's messages went out."""
+        self.stalled.add(node)
+
     def lose(self, node: int) -> None:
         """Flower reports the node gone (no heartbeat): messages to it get an error reply, and it
         leaves the connected nodes."""
@@ -59,6 +66,8 @@ class LoopbackGrid:
         return [node for node in self.contexts if node not in self.gone]
 
     def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        self._replies.update(self._held)
+        self._held = {}
         ids = []
         for message in messages:
             message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
@@ -70,7 +79,12 @@ class LoopbackGrid:
             elif node not in self.silent:
                 client_app._nodes = self.copies[self.process_of(node, self.exchanges)]
                 handler = client_app.HANDLERS[message.metadata.message_type]
-                self._replies[ids[-1]] = handler(message, self.contexts[node])
+                reply = handler(message, self.contexts[node])
+                if node in self.stalled:
+                    self.stalled.discard(node)
+                    self._held[ids[-1]] = reply
+                else:
+                    self._replies[ids[-1]] = reply
         self.exchanges += 1
         return ids
 

@@ -86,10 +86,11 @@ class FlowerClients:
     """The run's clients, each on the SuperNode that holds its partition (`partition-id` k).
 
     A client whose node misses a deadline or is reported gone is dropped from that round
-    (`Replies.missing`) and is away from then on: later rounds drop it at once, without waiting,
-    until a SuperNode holding its partition connects (a restarted node): that node is introduced
-    after the round and serves the client from the next one (`rejoined`), starting from a fresh
-    client state (the method forgets what it sent the old node: `FederatedMethod.forget_clients`).
+    (`Replies.missing`) and is away from then on: later rounds drop it at once, without waiting.
+    It is served again from the round after its node's late reply arrives (a slow node: its state
+    kept), or after a SuperNode holding its partition connects (a restarted node, introduced at a
+    round's end), starting from a fresh client state (the method forgets what it sent the old
+    node: `FederatedMethod.forget_clients`). Both are `rejoined`.
 
     Args:
         grid: the ServerApp's grid.
@@ -114,7 +115,8 @@ class FlowerClients:
         self.spares: dict[int, int] = {}  # an introduced node serving no one yet -> the client it holds
         self.retired: set[int] = set()  # nodes that lost their client: never asked again
         self._introducing: dict[str, int] = {}  # newcomers' introductions not answered yet: message id -> node
-        self._rejoined: list[int] = []
+        self._late: dict[str, int] = {}  # messages past their deadline whose reply may still come: id -> node
+        self._rejoined: dict[int, bool] = {}  # client served again -> whether its state starts afresh
         nodes = wait_for_nodes(grid, datamodule.num_clients, self.settings.connect_s)
         holders, missing = self._introductions(nodes)
         if missing:
@@ -143,6 +145,7 @@ class FlowerClients:
         waiting, missing = self._push(contents, message_type, group)
         replies, lost = self._collect(waiting, message_type, self.settings.deadline_s if deadline_s is None
                                       else deadline_s)
+        self._late.update(waiting)  # the replies still due: a late one shows its node alive
         return replies, {**missing, **lost}
 
     def _push(self, contents: Mapping[int, RecordDict], message_type: str,
@@ -160,12 +163,13 @@ class FlowerClients:
                    if message.metadata.message_id not in taken}
         return waiting, missing
 
-    def _collect(self, waiting: dict[str, int], message_type: str,
-                 deadline_s: float) -> tuple[dict[int, RecordDict], dict[int, str]]:
+    def _collect(self, waiting: dict[str, int], message_type: str, deadline_s: float,
+                 counted: bool = True) -> tuple[dict[int, RecordDict], dict[int, str]]:
         """The replies to the `waiting` messages ({message id: node}; those answered are taken
         out) that come within `deadline_s` (0: those already there): ({node: reply content},
-        {node: why it sent none}); nodes still waiting after a deadline > 0 are missing."""
-        counted = message_type != "query"  # the traffic of the rounds, not of the introductions
+        {node: why it sent none}); nodes still waiting after a deadline > 0 are missing (and
+        stay in `waiting`). `counted`: the replies are the rounds' traffic."""
+        counted = counted and message_type != "query"  # not the introductions
         replies: dict[int, RecordDict] = {}
         missing: dict[int, str] = {}
         deadline, pause = time.monotonic() + deadline_s, POLL_S[0]
@@ -185,7 +189,6 @@ class FlowerClients:
                 break
             if time.monotonic() >= deadline:
                 missing.update({node: f"no reply within {deadline_s:g} s" for node in waiting.values()})
-                waiting.clear()
                 break
             time.sleep(pause)
             pause = min(2 * pause, POLL_S[1])
@@ -215,11 +218,13 @@ class FlowerClients:
                 raise RuntimeError(f"SuperNode {node} answered for client {client} but serves client {served[node]}")
             replies[client] = content
         when = f"round {round_index}" if round_index is not None else message_type
+        late = set(self._late.values())
         for node, why in lost.items():
             client = served[node]
             missing[client] = why
             self.away[client] = f"its SuperNode was lost in {when} ({why})"
-            self.retired.add(node)
+            if node not in late:  # gone (Flower says so): it will not answer again
+                self.retired.add(node)
         return replies, missing
 
     def _introduction(self) -> RecordDict:
@@ -231,6 +236,7 @@ class FlowerClients:
         feature extraction); see `_holders`."""
         replies, missing = self._send(dict.fromkeys(nodes, self._introduction()), "query",
                                       deadline_s=self.settings.connect_s)
+        self._late.clear()  # a node that does not answer its introduction ends the fit (or is asked again)
         return self._holders(replies), missing
 
     def _holders(self, replies: Mapping[int, RecordDict]) -> dict[int, int]:
@@ -254,10 +260,17 @@ class FlowerClients:
         return holders
 
     def _admit(self) -> None:
-        """Introduces the SuperNodes that connected since the fit began, without waiting for
-        their answers (a new node may take long to set up its data; its answer is read at a
-        later round's end); one holding an away client's partition serves it from the next round
-        (`rejoined`)."""
+        """An away client whose node answered late (it was slow, not gone) is served again from
+        the next round, its state kept. Introduces the SuperNodes that connected since the fit
+        began, without waiting for their answers (a new node may take long to set up its data;
+        its answer is read at a later round's end); one holding an away client's partition serves
+        it from the next round, its state afresh (`rejoined`)."""
+        late, gone = self._collect(self._late, "late", deadline_s=0, counted=False)
+        self.retired.update(gone)
+        for client, node in list(self.nodes.items()):
+            if node in late and client in self.away:
+                del self.away[client]
+                self._rejoined[client] = False
         if not self.away and not self._introducing:
             return
         known = set(self.nodes.values()) | set(self.spares) | self.retired | set(self._introducing.values())
@@ -270,14 +283,15 @@ class FlowerClients:
         for node, client in list(self.spares.items()):
             if client in self.away:
                 del self.away[client], self.spares[node]
+                self.retired.add(self.nodes[client])  # its old node: never asked again
                 self.nodes[client] = node
-                self._rejoined.append(client)
+                self._rejoined[client] = True
 
     # ---- the transport's interface ------------------------------------------------------------
-    def rejoined(self) -> list[int]:
-        """The clients served again by a new SuperNode since the last call (their state starts
-        afresh on it), sorted."""
-        clients, self._rejoined = sorted(self._rejoined), []
+    def rejoined(self) -> dict[int, bool]:
+        """The clients served again since the last call -> whether their state starts afresh (on a
+        new SuperNode) or is kept (their node answered late)."""
+        clients, self._rejoined = dict(sorted(self._rejoined.items())), {}
         return clients
 
     def update(self, request: RoundRequest) -> Replies:
