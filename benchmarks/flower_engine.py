@@ -402,8 +402,9 @@ def main() -> None:
 
     depth_rows, deep_lines = [], []
     if hasattr(methods, "DeepAFL"):
-        def deepafl():
-            return methods.DeepAFL(num_layers=args.layers, hidden_dim=args.hidden, block_dim=args.hidden)
+        def deepafl():  # restating, as over Flower it does unasked (its clients may go missing): the same work
+            return methods.DeepAFL(num_layers=args.layers, hidden_dim=args.hidden, block_dim=args.hidden,
+                                   restate=True)
 
         whole_deep, _, deep_rounds, deep_traffic = fit_once(deepafl(), data, "flower")
         print(f"DeepAFL T={args.layers} flower: {whole_deep:.1f} s", flush=True)

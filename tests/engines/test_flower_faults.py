@@ -165,9 +165,14 @@ def test_deepafl_restates_over_flower_and_a_rejoined_client_gets_every_omega_aga
     assert engine.client_events[-1][:3] == [3, 0, "rejoined"]
 
 
-def test_deepafl_refuses_not_restating_where_clients_may_go_missing():
-    with pytest.raises(ValueError, match=r"restate=false.* leave model.restate unset"):
-        over_grid(lambda: DeepAFL(num_layers=2, hidden_dim=16, block_dim=12, restate=False), LoopbackGrid(3))
+def test_deepafl_told_not_to_restate_ends_the_fit_when_a_fused_round_misses_a_client():
+    def make():
+        return DeepAFL(num_layers=2, hidden_dim=16, block_dim=12, restate=False)
+
+    method, _, _ = over_grid(make, LoopbackGrid(3))  # no loss: fine, and no restated sums sent
+    assert not method.restates
+    with pytest.raises(RuntimeError, match=r"restate=false\) recurses round 1's sums.*leave model.restate unset"):
+        over_grid(make, StagedGrid(3, silenced={2: [FIRST_NODE]}))
 
 
 @pytest.mark.parametrize("graph", ["complete", "sparse"])

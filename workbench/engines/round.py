@@ -197,6 +197,7 @@ def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtoc
 
     replies = transport.update(request)
     if replies.missing:  # their uploads never came: dropped after being asked, as the protocol's dropouts
+        method.check_missing(round_index)
         missing = torch.tensor(sorted(replies.missing), dtype=survivors.dtype, device=survivors.device)
         survivors, lost = survivors[~torch.isin(survivors, missing)], torch.sort(torch.cat([lost, missing])).values
         if len(survivors) == 0:

@@ -271,7 +271,7 @@ def local_sgd(
 
     # only the cross-entropy goes through autograd: the other terms' gradients are closed forms,
     # added to it in place (μ/2 ‖w − c‖² differentiated by autograd cost 2.6× a plain step)
-    client_grad = vmap(grad(loss))
+    client_grad = vmap(grad(loss)) if m > 1 else _one_client(loss)
     velocity = {name: torch.zeros_like(value) for name, value in params.items()} if momentum > 0 else {}
     with torch.no_grad():
         for index, mask, active in _schedule(
@@ -301,6 +301,19 @@ def local_sgd(
     # every parameter, in the model's order: the frozen ones as they came in
     return {name: trained[name] if name in trained else p.detach().expand(m, *p.shape).clone()
             for name, p in model.named_parameters()}
+
+
+def _one_client(loss: Callable[..., Tensor]) -> Callable[..., dict[str, Tensor]]:
+    """`vmap(grad(loss))` for a batch of one client (a ClientApp's, or one masking alone under
+    secure aggregation) by plain autograd: the same gradient at a torch.optim loop's speed
+    (functorch's transforms cost 3.6× the step on an MLP head)."""
+
+    def client_grad(params: dict[str, Tensor], x: Tensor, y: Tensor, weight: Tensor) -> dict[str, Tensor]:
+        leaves = {name: value[0].detach().requires_grad_() for name, value in params.items()}
+        gradients = torch.autograd.grad(loss(leaves, x[0], y[0], weight[0]), list(leaves.values()))
+        return {name: gradient[None] for name, gradient in zip(leaves, gradients, strict=True)}
+
+    return client_grad
 
 
 def _rows(full: Tensor, rows: Tensor | None) -> Tensor:

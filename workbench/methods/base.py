@@ -299,6 +299,10 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
     def before_restore(self, state: Mapping[str, Tensor]) -> None:
         """Reshape buffers whose shapes a fit finds (e.g. GH-OFL's Fisher subspace) to `state`'s."""
 
+    def check_missing(self, round_index: int) -> None:
+        """Raise, naming the fix, when round `round_index` cannot be solved exactly without clients
+        that were asked and never replied (lost nodes); default: it can, on those that replied."""
+
     def forget_clients(self, clients: Tensor) -> None:
         """`clients` (m,) start afresh on new nodes (a restarted SuperNode): their client state is
         the initial one, so what the server assumed they kept from its broadcasts is gone (DeepAFL's

@@ -412,7 +412,9 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         restate: whether fused rounds ask every client for Φ_{t−1}ᵀΦ_{t−1} and Φ_{t−1}ᵀY again
             (see the module docstring). Unset: whenever a round's clients may differ from the
             previous round's: under dropouts, cohort sampling, or clients that may go missing
-            without notice (the Flower engine's lost nodes). False where that can happen is refused.
+            without notice (the Flower engine's lost nodes; there it costs the restated sums).
+            False is refused under dropouts or cohorts; over Flower a round that then misses a
+            client ends the fit (resumable from its last checkpoint).
 
     After a fit, `depth_accuracy[t]` is the test accuracy of the model of depth t (also logged
     as `depth/test_acc` with step t, through `step_metrics`).
@@ -469,22 +471,22 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         return max(self.round - 1, 0) if self.fused else max(self.round - 1, 0) // 2
 
     @property
-    def clients_vary(self) -> bool:
-        """Whether a round's clients may differ from the previous round's: dropouts, cohorts, or
-        clients that may go missing without notice."""
-        return self.federation.dropout > 0 or self.samples_cohorts or self.clients_may_go_missing
-
-    @property
     def restates(self) -> bool:
         """Whether fused rounds ask the clients for Φ_{t−1}ᵀΦ_{t−1} and Φ_{t−1}ᵀY again: where the
         server's kept sums may be over other clients than the round's (`restate`)."""
-        return self.fused and (self.restate if self.restate is not None else self.clients_vary)
+        varies = self.federation.dropout > 0 or self.samples_cohorts or self.clients_may_go_missing
+        return self.fused and (self.restate if self.restate is not None else varies)
 
     def check_protocol(self, federation) -> None:
-        if self.fused and self.restate is False and self.clients_vary:
+        if self.fused and self.restate is False and (self.federation.dropout > 0 or self.samples_cohorts):
             raise ValueError("DeepAFL(restate=false) recurses sums kept from the previous round, which holds "
-                             "other clients here (dropouts, cohorts or clients that may go missing): leave "
-                             "model.restate unset (or true)")
+                             "other clients under dropouts or cohorts: leave model.restate unset (or true)")
+
+    def check_missing(self, round_index: int) -> None:
+        if self.fused and not self.restates and round_index > 0:
+            raise RuntimeError(f"DeepAFL(restate=false) recurses round {round_index - 1}'s sums, which hold the "
+                               "clients missing now: its fused round cannot be exact without them; leave "
+                               "model.restate unset (it then restates every round where clients may go missing)")
 
     def setup_problem(self, problem: Problem) -> None:
         h, f, layers = self.hidden_dim, self.block_dim, self.num_layers

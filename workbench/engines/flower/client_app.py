@@ -33,11 +33,12 @@ import functools
 import json
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch import Tensor
 
@@ -130,21 +131,45 @@ class Node:
     holds: str | None = None  # the token of the node's saved state the half holds; None: fresh
     built: bool = True  # this message built the method and the half
     restored: bool = False  # this message restored the node's saved state into a fresh half
+    # each state tensor's (storage, version) when the half was built or last saved or restored:
+    # one that has not moved since is not copied again
+    marks: dict[str, tuple] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.marks = _marks(self.half)
 
     def fresh_half(self) -> None:
         self.half = self.method.client_half()
         self.half.setup_clients(torch.tensor([self.data.client]), len(self.data.labels))
         self.holds = None
+        self.marks = _marks(self.half)
 
     def events(self) -> dict[str, int]:
         """What this message cost beyond the client's work, for its report."""
         return {"built": int(self.built), "restored": int(self.restored)}
 
     def save(self, context: Context) -> None:
-        """The half's state into the node's state, for the next message (whichever process gets it)."""
-        self.holds = uuid.uuid4().hex
-        context.state[STATE_KEY] = to_record(half_state(self.half))
+        """The half's state into the node's state, for the next message (whichever process gets
+        it). Only what moved is copied: a tensor unchanged since the half was built (DeepAFL's
+        random layers, rebuilt from the seed by any fresh half) is left out, one unchanged since
+        the last save keeps its saved bytes."""
+        kept = context.state.array_records.get(STATE_KEY)
+        marks = _marks(self.half)
+        arrays = OrderedDict()
+        for name, value in half_state(self.half).items():
+            if marks[name] != self.marks.get(name):
+                arrays[name] = to_record({name: value})[name]
+            elif kept is not None and name in kept:
+                arrays[name] = kept[name]
+        self.marks, self.holds = marks, uuid.uuid4().hex
+        context.state[STATE_KEY] = ArrayRecord(arrays)
         context.state.config_records[NODE_KEY]["state"] = self.holds
+
+
+def _marks(half: ClientHalf) -> dict[str, tuple]:
+    """Each state tensor's storage and in-place version: they change when the tensor does."""
+    return {name: (value.data_ptr(), value._version, value.dtype, tuple(value.shape))
+            for name, value in half_state(half).items()}
 
 
 # (run id, node id) -> its client; a process keeps one fit's (a deployed SuperNode runs each
@@ -171,8 +196,9 @@ def node(message: Message, context: Context) -> Node:
         method.setup(data.problem)
         for other in [other for other, held in _nodes.items() if other[0] != key[0] or held.session != session]:
             del _nodes[other]  # another run's or fit's clients: done with
-        here = _nodes[key] = Node(session, digest, method, method.client_half(), data)
-        here.half.setup_clients(torch.tensor([data.client]), len(data.labels))
+        half = method.client_half()
+        half.setup_clients(torch.tensor([data.client]), len(data.labels))
+        here = _nodes[key] = Node(session, digest, method, half, data)
     here.built, here.restored = built, False
     token = kept.get("state")
     if token != here.holds:  # the node's state moved on elsewhere (or the half was never restored)
@@ -183,6 +209,7 @@ def node(message: Message, context: Context) -> Node:
         if token is not None:
             restore_half(here.half, record_views(context.state.array_records[STATE_KEY]))
             here.restored = True
+            here.marks = _marks(here.half)
         here.holds = None if token is None else str(token)
     return here
 

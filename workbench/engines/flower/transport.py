@@ -35,7 +35,7 @@ NODE_LOST = {ErrorCode.NODE_UNAVAILABLE: "its SuperNode stopped sending heartbea
              ErrorCode.MESSAGE_UNAVAILABLE: "the message expired before its SuperNode took it",
              ErrorCode.REPLY_MESSAGE_UNAVAILABLE: "its reply expired",
              ErrorCode.CLIENT_APP_CRASHED: "its ClientApp process died"}
-POLL_S = (0.005, 0.1)  # replies are looked for after 5 ms, then twice as long each time, up to 0.1 s
+POLL_S = (0.002, 0.02)  # replies are looked for after 2 ms, then twice as long each time, up to 20 ms
 
 # Set by the deployed ServerApp while its experiment runs: the grid its rounds go over.
 DEPLOYED_GRID: contextvars.ContextVar[Grid | None] = contextvars.ContextVar("workbench_grid", default=None)
