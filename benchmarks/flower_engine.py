@@ -41,18 +41,13 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict  # noqa: E402
-from flwr.clientapp import ClientApp  # noqa: E402
-from flwr.serverapp import Grid, ServerApp  # noqa: E402
 from lightning import Callback  # noqa: E402
-from torch import nn  # noqa: E402
 
+from benchmarks.bare_flower_app import BareRun, synthetic_data  # noqa: E402
 from benchmarks.common import load_average, machine_line, write_report  # noqa: E402
 from workbench import methods  # noqa: E402
-from workbench.data import FederatedDataModule, SyntheticBlobs  # noqa: E402
+from workbench.data import FederatedDataModule  # noqa: E402
 from workbench.engines import LightningEngine  # noqa: E402
 from workbench.engines.flower import client_app, simulation  # noqa: E402
 from workbench.engines.flower.loopback import LoopbackGrid  # noqa: E402
@@ -61,120 +56,12 @@ from workbench.engines.round import Replies, RoundRequest, add_metrics  # noqa: 
 from workbench.federation import codec  # noqa: E402
 
 
-def synthetic_data(dim: int, train_size: int, clients: int) -> FederatedDataModule:
-    """The benchmark's data (the workbench's generator; the bare app loads its partitions from it)."""
-    return FederatedDataModule(dataset="synthetic", num_clients=clients, partition="dirichlet", alpha=0.5,
-                               synthetic=SyntheticBlobs(dim=dim, train_size=train_size))
-
-
-# ---- the bare Flower app: Flower's Message API and torch, nothing of the engine ----------------
-def mlp(dim: int, hidden: int, classes: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, classes))
-
-
-bare_client = ClientApp()
-_partitions: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # per process: (settings, client) -> (x, y)
-
-
-def _partition(config: ConfigRecord, client: int) -> tuple[torch.Tensor, torch.Tensor]:
-    key = (int(config["dim"]), int(config["train_size"]), int(config["clients"]), client)
-    if key not in _partitions:
-        data = synthetic_data(*key[:3])
-        data.setup("fit")
-        rows = data.train_client_ids == client
-        _partitions[key] = data.train_features[rows], data.train_labels[rows]
-    return _partitions[key]
-
-
-@bare_client.query()
-def bare_introduce(message: Message, context: Context) -> Message:
-    """Loads this node's partition before the rounds (as the workbench's nodes do when introduced)."""
-    features, _ = _partition(message.content.config_records["config"], int(context.node_config["partition-id"]))
-    return Message(RecordDict({"report": MetricRecord({"num_examples": len(features)})}), reply_to=message)
-
-
-@bare_client.train()
-def bare_train(message: Message, context: Context) -> Message:
-    """Local SGD from the received flat weights on this node's partition; replies the new weights."""
-    wall, cpu = time.perf_counter(), time.thread_time()
-    config = message.content.config_records["config"]
-    features, labels = _partition(config, int(context.node_config["partition-id"]))
-    model = mlp(int(config["dim"]), int(config["hidden"]), int(config["classes"]))
-    weights = torch.from_numpy(message.content.array_records["arrays"]["weights"].numpy())
-    nn.utils.vector_to_parameters(weights, model.parameters())
-    optimizer = torch.optim.SGD(model.parameters(), lr=float(config["lr"]))
-    generator = torch.Generator().manual_seed(int(config["round"]) * 1000 + int(context.node_config["partition-id"]))
-    batch = int(config["batch_size"])
-    for _ in range(int(config["epochs"])):
-        order = torch.randperm(len(labels), generator=generator)
-        for lo in range(0, len(labels), batch):
-            rows = order[lo:lo + batch]
-            optimizer.zero_grad()
-            F.cross_entropy(model(features[rows]), labels[rows]).backward()
-            optimizer.step()
-    trained = nn.utils.parameters_to_vector(model.parameters()).detach().numpy()
-    report = MetricRecord({"num_examples": len(labels), "client_s": time.perf_counter() - wall,
-                           "client_cpu_s": time.thread_time() - cpu, "threads": torch.get_num_threads()})
-    return Message(RecordDict({"arrays": ArrayRecord({"weights": Array(trained)}), "report": report}),
-                   reply_to=message)
-
-
-@dataclasses.dataclass
-class BareRun:
-    round_s: list[float] = dataclasses.field(default_factory=list)
-    client_s: float = 0.0
-    client_cpu_s: float = 0.0
-    messages: int = 0
-    threads: int = 0
-    whole_s: float = 0.0
-
-
-def bare_server_app(config: dict, num_clients: int, rounds: int, run: BareRun) -> ServerApp:
-    """FedAvg of a flat weight vector: every round each node trains from it, the server averages
-    the replies weighted by their examples."""
-    app = ServerApp()
-
-    @app.main()
-    def _rounds(grid: Grid, context: Context) -> None:
-        while len(nodes := sorted(grid.get_node_ids())) < num_clients:
-            time.sleep(0.1)
-        hello = RecordDict({"config": ConfigRecord(config)})  # untimed: the processes start and load their data
-        if len(list(grid.send_and_receive([Message(hello, dst_node_id=node, message_type="query")
-                                           for node in nodes]))) != len(nodes):
-            raise RuntimeError("a bare Flower node did not answer")
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            model = mlp(config["dim"], config["hidden"], config["classes"])
-        weights = nn.utils.parameters_to_vector(model.parameters()).detach().numpy()
-        for round_index in range(rounds):
-            start = time.perf_counter()
-            content = RecordDict({"arrays": ArrayRecord({"weights": Array(weights)}),
-                                  "config": ConfigRecord({**config, "round": round_index})})
-            replies = list(grid.send_and_receive([Message(content, dst_node_id=node, message_type="train",
-                                                          group_id=str(round_index)) for node in nodes]))
-            if len(replies) != len(nodes) or any(reply.has_error() for reply in replies):
-                raise RuntimeError(f"bare Flower round {round_index}: {[r.error for r in replies if r.has_error()]}")
-            total, examples = np.zeros(len(weights)), 0
-            for reply in replies:
-                report = reply.content.metric_records["report"]
-                total += reply.content.array_records["arrays"]["weights"].numpy() * float(report["num_examples"])
-                examples += int(report["num_examples"])
-                run.client_s += float(report["client_s"])
-                run.client_cpu_s += float(report["client_cpu_s"])
-                run.threads = int(report["threads"])
-                run.messages += 1
-            weights = (total / examples).astype(np.float32)
-            run.round_s.append(time.perf_counter() - start)
-
-    return app
-
-
 def bare_flower(data: FederatedDataModule, rounds: int, hidden: int, local) -> BareRun:
     """The bare app's rounds on the backend the workbench's simulation uses (one CPU per ClientApp)."""
     from flwr.simulation import run_simulation
 
-    # the apps of the importable module: Ray pickles `__main__`'s functions by value, caches and all
-    this = importlib.import_module("benchmarks.flower_engine")
+    # the apps of an importable module: Ray pickles `__main__`'s functions by value, caches and all
+    this = importlib.import_module("benchmarks.bare_flower_app")
     num_clients = data.num_clients
     config = {"dim": data.feature_dim, "train_size": len(data.train_labels), "clients": num_clients,
               "classes": data.num_classes, "hidden": hidden, "lr": local.lr, "epochs": local.epochs,

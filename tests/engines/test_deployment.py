@@ -12,12 +12,8 @@ fits submitted with `server_app submit` (tier `deployment`, in `.ci/run`; a few 
 from __future__ import annotations
 
 import csv
-import os
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,20 +24,14 @@ pytest.importorskip("flwr", reason="a Flower deployment needs the `flower` extra
 
 from tests.conftest import ROOT
 from tests.engines.conftest import dropping_clients
+from workbench.engines.flower.local_deployment import BIN, LocalDeployment
 from workbench.experiment import run
 
 pytestmark = pytest.mark.deployment
-BIN = Path(sys.executable).parent
 CLIENTS = 3
 FIT = ["--config", str(ROOT / "configs/method/fedavg.yaml"), "--config", str(ROOT / "configs/data/synthetic.yaml"),
        f"--data.num_clients={CLIENTS}", "--wandb=disabled", "--trainer.enable_progress_bar=false",
        "--flower.deadline_s=20"]  # a deployed round takes 3-5 s (the SuperNodes poll every 3 s)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(condition, limit_s: float, what: str, every_s: float = 0.5):
@@ -53,80 +43,22 @@ def wait_until(condition, limit_s: float, what: str, every_s: float = 0.5):
     return value
 
 
-class Deployment:
-    """SuperLink and SuperNodes (+ the workbench's ClientApp process each) on loopback, insecure
-    (TLS is the docs' recipe; it changes nothing here), their Flower files under `home`."""
-
-    def __init__(self, home: Path) -> None:
-        self.home, self.logs = home, home / "logs"
-        self.logs.mkdir(parents=True)
-        self.env = {**os.environ, "FLWR_HOME": str(home), "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
-                    "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-        self.port = free_port()
-        (home / "config.toml").write_text(f'[superlink.local]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n')
-        self.superlink = self._start("superlink", [BIN / "flower-superlink", "--insecure", "--port", str(self.port)])
-        self.nodes: dict[int, tuple[subprocess.Popen, subprocess.Popen]] = {}
-        subprocess.run([sys.executable, "-m", "workbench.engines.flower.server_app", "app", str(home / "app")],
-                       check=True, env=self.env, capture_output=True)
-
-    def _start(self, name: str, command: list) -> subprocess.Popen:
-        log = (self.logs / f"{name}.log").open("a")
-        return subprocess.Popen([str(c) for c in command], env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-
-    def start_node(self, partition: int) -> None:
-        runtime = free_port()
-        supernode = self._start(f"supernode{partition}", [
-            BIN / "flower-supernode", "--insecure", "--isolation", "process", "--superlink", f"127.0.0.1:{self.port}",
-            "--port", str(runtime), "--node-config", f"partition-id={partition} num-partitions={CLIENTS}"])
-        client_app = self._start(f"clientapp{partition}", [
-            sys.executable, "-m", "workbench.engines.flower.node", "--insecure", "--runtime-api-address",
-            f"127.0.0.1:{runtime}", "--supernode_pid", supernode.pid])
-        self.nodes[partition] = (supernode, client_app)
-
-    def kill_node(self, partition: int) -> subprocess.Popen:
-        """SIGKILL to the SuperNode, by its process id; its ClientApp process is left to notice."""
-        supernode, client_app = self.nodes.pop(partition)
-        os.kill(supernode.pid, signal.SIGKILL)
-        supernode.wait()
-        return client_app
-
-    def submit(self, *args: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "workbench.engines.flower.server_app", "submit",
-                                 str(self.home / "app"), "local", "--", *FIT, *args], env=self.env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-    def stop(self) -> list[str]:
-        """Stops the SuperNodes and the SuperLink; the ClientApp processes must leave by themselves
-        with their SuperNodes: those that did not, named (and killed)."""
-        supernodes = [supernode for supernode, _ in self.nodes.values()] + [self.superlink]
-        for process in supernodes:
-            process.send_signal(signal.SIGTERM)
-        stayed = []
-        for name, process in [("SuperNode", p) for p in supernodes] + [
-                (f"ClientApp of partition {k}", client_app) for k, (_, client_app) in self.nodes.items()]:
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                stayed.append(f"{name} (process {process.pid})")
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-        return stayed
-
-
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
     if shutil.which("flower-superlink", path=str(BIN)) is None:
         pytest.skip("flower-superlink is not in this venv: pip install -e '.[flower]'")
-    federation = Deployment(tmp_path_factory.mktemp("flower"))
+    federation = LocalDeployment(tmp_path_factory.mktemp("flower"), CLIENTS, isolation="process",
+                                 env={"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"})
     try:
-        for partition in range(CLIENTS):
-            federation.start_node(partition)
         yield federation
     finally:
         stayed = federation.stop()
         print("\n".join(f"---- {log.name}\n{log.read_text()[-3000:]}" for log in sorted(federation.logs.iterdir())))
     assert not stayed, f"outlived their SuperNodes: {stayed}"
+
+
+def submit(federation: LocalDeployment, *args: str) -> subprocess.Popen:
+    return federation.submit([*FIT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def rounds_done(folder: Path) -> int:
@@ -156,7 +88,7 @@ def assert_same_model(saved: Path, reference: dict[str, torch.Tensor]) -> None:
 
 def test_a_supernode_killed_mid_fit_is_dropped_and_the_fit_finishes_as_in_process(deployment, tmp_path):
     args = ["--model.num_rounds=16", f"--run_dir={tmp_path}", "--run_name=lost"]
-    submitted = deployment.submit(*args)
+    submitted = submit(deployment, *args)
     folder = tmp_path / "lost" / "version_0"
     wait_until(lambda: rounds_done(folder) >= 2, 300, "two rounds over the deployment")
     client_app = deployment.kill_node(1)
@@ -176,7 +108,7 @@ def test_a_supernode_killed_mid_fit_is_dropped_and_the_fit_finishes_as_in_proces
 
 def test_a_fit_that_cannot_go_on_fails_naming_its_clients_and_resumes_from_its_checkpoint(deployment, tmp_path):
     args = ["--model.num_rounds=6", f"--run_dir={tmp_path}", "--run_name=stopped"]
-    submitted = deployment.submit(*args)
+    submitted = submit(deployment, *args)
     folder = tmp_path / "stopped" / "version_0"
     wait_until(lambda: rounds_done(folder) >= 1, 300, "a round over the deployment")
     client_apps = [deployment.kill_node(partition) for partition in range(CLIENTS)]
@@ -188,7 +120,7 @@ def test_a_fit_that_cannot_go_on_fails_naming_its_clients_and_resumes_from_its_c
         client_app.wait(timeout=10)
     for partition in range(CLIENTS):
         deployment.start_node(partition)
-    resumed = deployment.submit(*args, "--ckpt_path=last")
+    resumed = submit(deployment, *args, "--ckpt_path=last")
     _out, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err[-3000:]
     assert_same_model(tmp_path / "stopped" / "version_1" / "model.ckpt", in_process(tmp_path, args, {}))

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("flwr", reason="the Flower engine needs the `flower` extra: pip install -e '.[flower]'")
 
 from tests.conftest import quiet_trainer
-from tests.engines.conformance import data
+from tests.engines.conformance import METHODS, data
 from tests.engines.conftest import assert_same_state, dropping_clients
 from workbench.engines import LightningEngine
 from workbench.engines.flower.loopback import FIRST_NODE, LoopbackGrid
@@ -240,3 +240,17 @@ def test_a_fit_resumed_from_its_checkpoint_over_new_nodes_equals_the_uninterrupt
                   ckpt_path=tmp_path / "last.ckpt", weights_only=False)
     assert resumed.fitted and resumed.round == method.round
     assert_same_state(resumed, method, 1e-8)
+
+
+@pytest.mark.parametrize("name", [name for name in METHODS if name != "LocalOnly"])  # (no round to miss)
+def test_every_method_fits_through_a_client_lost_in_its_first_round_and_back_afresh(name):
+    """Whatever a client keeps between rounds, one back on a new node with nothing kept gets again
+    what it needs (a seed, Ω_t, W_g: `clients_missed_broadcasts`, `forget_clients`)."""
+    build, _ = METHODS[name]
+    grid = StagedGrid(3, silenced={0: [FIRST_NODE + 1]}, joined={0: [1]})
+    method, dm = build(), data(name=name)
+    engine = LightningEngine(method)
+    fit_over_grid(grid, quiet_trainer(method), engine, dm, settings=QUICK)
+    assert method.fitted
+    assert [event[1:3] for event in engine.client_events] == [[1, "missing"], [1, "rejoined"]]
+    assert all(bool(torch.isfinite(value).all()) for value in method.state_dict().values() if value.is_floating_point())

@@ -271,7 +271,7 @@ class AnaPFL(AFL):
             return seed
         # round 1: W_g, for the clients' hold-out scores (and P_g's seed for a sampled client
         # that missed round 0)
-        return {"weight": self.weight, **(seed if self.samples_cohorts else {})}
+        return {"weight": self.weight, **(seed if self.clients_missed_broadcasts else {})}
 
     def server_update(self, uploads: Uploads, num_clients: float) -> Metrics:
         if self.round == 0:
@@ -295,7 +295,7 @@ class AnaPFL(AFL):
             message = {"weight": self.weight}  # λ is the setting
         else:
             message = {"lambda": self.refinement_scale}  # the clients hold W_g from round 1 ...
-        if self.samples_cohorts:  # ... unless they missed it: W_g and P_g's seed again
+        if self.clients_missed_broadcasts:  # ... unless they missed it: W_g and P_g's seed again
             message.update(weight=self.weight, seed=torch.tensor(self.seed, dtype=torch.int64))
         return message
 

@@ -213,6 +213,7 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
     #: set by an engine whose clients can miss a round without notice (a lost Flower node): a
     #: method whose server keeps sums across rounds asks for them again (DeepAFL's `restate`)
     clients_may_go_missing: bool = False
+    _forgot_clients: bool = False  # some clients came back afresh (`forget_clients`)
 
     rounds_done: Tensor  # () int64
     finished: Tensor  # () bool
@@ -305,8 +306,16 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
 
     def forget_clients(self, clients: Tensor) -> None:
         """`clients` (m,) start afresh on new nodes (a restarted SuperNode): their client state is
-        the initial one, so what the server assumed they kept from its broadcasts is gone (DeepAFL's
-        Ω_t). Default: the server assumes nothing."""
+        the initial one, so what the server assumed they kept from its broadcasts is gone. From
+        then on `clients_missed_broadcasts` holds (what they need comes again); a method that
+        tracks what each client holds forgets theirs (DeepAFL's Ω_t)."""
+        self._forgot_clients = True
+
+    @property
+    def clients_missed_broadcasts(self) -> bool:
+        """Whether a client may lack what earlier broadcasts carried: under cohorts, or back afresh
+        on a new node (`forget_clients`); a broadcast then carries it again."""
+        return self.samples_cohorts or self._forgot_clients
 
     @property
     def samples_cohorts(self) -> bool:

@@ -541,6 +541,7 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
 
     def forget_clients(self, clients: Tensor) -> None:
         """Clients on new nodes hold no Ω_t: the next broadcast to them carries every one."""
+        super().forget_clients(clients)
         self.omega_sent[clients.to(self.omega_sent.device)] = 0
 
     def _omega_needed(self, round_index: int) -> int:

@@ -202,4 +202,4 @@ class Fed3R(AFL):
 
     def final_broadcast(self) -> dict[str, Tensor]:
         """W, and the seed again for the clients a sampled round missed."""
-        return {"weight": self.weight, **(self._seed_message() if self.samples_cohorts else {})}
+        return {"weight": self.weight, **(self._seed_message() if self.clients_missed_broadcasts else {})}

@@ -32,7 +32,7 @@ import httpx
 from flwr.app import Error, Message
 from flwr.common.config import get_fab_config
 from flwr.common.constant import ErrorCode, SubStatus
-from flwr.proto.runtime_pb2 import AcquireTaskRequest, SendTaskHeartbeatRequest  # type: ignore[attr-defined]
+from flwr.proto.runtime_pb2 import AcquireTaskRequest, SendTaskHeartbeatRequest
 from flwr.supercore.constant import TaskType
 from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
 from flwr.supercore.runtime import RuntimeHttpClient
@@ -76,7 +76,7 @@ class Node:
     def serve(self, max_tasks: int | None = None) -> str:
         """Takes tasks until the SuperNode is gone (or `max_tasks` were run); says why it stopped."""
         offers = self._client(RuntimeVersionHttpInterceptor(component_name="SuperExec"))
-        request = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP.value])
+        request = AcquireTaskRequest(supported_task_types=[str(TaskType.CLIENT_APP)])
         unreachable_since: float | None = None
         try:
             while max_tasks is None or self.tasks < max_tasks:
