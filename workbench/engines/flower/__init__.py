@@ -44,8 +44,15 @@ Running: `simulation.fit(trainer, engine, datamodule)` runs the fit and the test
 simulation (one SuperNode per client; Ray's and Flower's files under the run folder), or on the
 deployed grid inside `server_app`. `simulation.fit_over_flower(method, datamodule, ...)` is the
 one-call form for tests. Deployed, a SuperLink and SuperNodes run `server_app:app` and
-`client_app:app` (`write_app` writes the Flower App that `flwr run` submits). The clients' state
-exists only while the Flower run lives: checkpoints hold the global model, not the clients' state.
+`client_app:app` (`write_app` writes the Flower App that `server_app submit` or `flwr run`
+submits; `node` is a long-lived ClientApp for SuperNodes isolated by process; `local_deployment`
+starts them all on loopback). The clients' state lives on their nodes while the Flower run lives:
+checkpoints (`last.ckpt` every round) hold the global model and round, and a resumed fit's clients
+start afresh on its new nodes.
+
+Lost nodes: a round waits at most `FlowerSettings.deadline_s` for its replies; a client whose
+reply does not come is dropped from the round (`Replies.missing`) and away until its node's late
+reply or a new node holding its partition brings it back (`FlowerClients`, `rejoined`).
 """
 INSTALL_HINT = ("the Flower engine needs Flower, an optional extra: pip install -e '.[flower]' "
                 "(it installs flwr[simulation], which brings Ray)")
