@@ -107,9 +107,11 @@ def over_both(make, data_options: dict, federation: Federation | None, tmp_path)
 
 class DroppingClients(LocalClients):
     """In-process clients whose replies in given rounds never come (`dropped[r]`: client ids), as
-    a remote transport reports lost nodes: the reference fit with those clients dropped there."""
+    a remote transport reports lost nodes: the reference fit with those clients dropped there
+    (they do no work in those rounds) and back, on their own node, in the round after."""
 
     dropped: dict[int, list[int]]
+    away: set[int]
 
     def update(self, request: RoundRequest) -> Replies:
         gone = [c for c in self.dropped.get(request.round_index, []) if c in request.survivors.tolist()]
@@ -117,6 +119,13 @@ class DroppingClients(LocalClients):
         replies = super().update(dataclasses.replace(request, survivors=kept))
         replies.missing = dict.fromkeys(gone, "dropped here")
         return replies
+
+    def rejoined(self) -> dict[int, bool]:
+        """Those dropped in the last round that are not in the next (`Rejoins`): back, state kept."""
+        next_round = self.method.round
+        back = self.away - set(self.dropped.get(next_round, []))
+        self.away = set(self.dropped.get(next_round, []))
+        return dict.fromkeys(sorted(back), False)
 
 
 @contextlib.contextmanager
@@ -127,7 +136,7 @@ def dropping_clients(dropped: dict[int, list[int]]) -> Iterator[None]:
     def local_clients(engine, data) -> DroppingClients:
         clients = DroppingClients(engine.method, data.train_features, data.train_labels, data.train_client_ids,
                                   torch.unique(data.train_client_ids), data.hparams.batch_size)
-        clients.dropped = dropped
+        clients.dropped, clients.away = dropped, set()
         return clients
 
     LightningEngine._local_clients = local_clients  # type: ignore[method-assign]

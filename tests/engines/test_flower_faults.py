@@ -23,7 +23,7 @@ from workbench.engines.flower.simulation import fit_over_grid
 from workbench.engines.flower_settings import FlowerSettings
 from workbench.federation import Federation
 from workbench.federation.local_training import LocalTraining
-from workbench.methods import AFL, DeepAFL, FedAvg
+from workbench.methods import AFL, AnaPFL, DeepAFL, FedAvg
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 QUICK = FlowerSettings(deadline_s=0.05)  # a silent node is given up after 50 ms
@@ -49,7 +49,8 @@ class StagedGrid(LoopbackGrid):
 
     def __init__(self, num_clients: int, silenced=None, gone=None, joined=None, stalled=None) -> None:
         super().__init__(num_clients)
-        self.staged = {"silence": silenced or {}, "lose": gone or {}, "join": joined or {}, "stall": stalled or {}}
+        self.staged = {"silence": silenced or {}, "lose": gone or {}, "join": joined or {}, "stall": stalled or {},
+                       "expire": {}}
 
     def push_messages(self, messages):
         messages = list(messages)
@@ -107,6 +108,8 @@ def test_fedavg_with_a_node_lost_mid_fit_equals_in_process_with_its_client_dropp
                                                              [3, 2, "missing"]]
     assert engine.client_events[1][3].startswith("its SuperNode was lost in round 1")
     assert engine.fit_metrics["comm/bytes_up"] == reference_engine.fit_metrics["comm/bytes_up"]
+    # no broadcast goes to the away client in rounds 2 and 3: two models less (the MLP 8-8-4's 108 float32s)
+    assert reference_engine.fit_metrics["comm/bytes_down"] - engine.fit_metrics["comm/bytes_down"] == 2 * 108 * 4
     # replies of rounds 0-3 and of the final broadcast: the away node is not sent to again
     assert run.traffic.messages == 3 + 2 + 2 + 2 + 2
 
@@ -119,11 +122,65 @@ def test_flowers_report_of_a_gone_node_drops_its_client_without_waiting():
     assert engine.client_events[0] == [2, 0, "missing", "its SuperNode stopped sending heartbeats"]
 
 
-def test_a_slow_node_is_dropped_until_its_late_reply_comes_then_serves_again_with_its_state():
+def test_a_slow_node_is_dropped_from_the_round_then_serves_again_once_it_answers():
     method, engine, _ = over_grid(fedavg, StagedGrid(3, stalled={1: [FIRST_NODE + 2]}))
-    reference, _ = in_process(fedavg, {1: [2], 2: [2]})  # its round-1 reply comes during round 2
+    reference, _ = in_process(fedavg, {1: [2]})  # asked again at round 1's end, it answers
     assert_same_state(method, reference, 1e-6)
-    assert engine.client_events[-1] == [3, 2, "rejoined", "its node answered late: its client state kept"]
+    assert engine.client_events[-1] == [2, 2, "rejoined", "its node answered again: its client state as it went away"]
+
+
+def test_a_slow_deepafl_node_back_with_its_state_gets_the_omegas_it_missed():
+    def make():
+        return DeepAFL(num_layers=4, hidden_dim=16, block_dim=12, seed=1, restate=True)
+
+    method, engine, _ = over_grid(make, StagedGrid(3, stalled={2: [FIRST_NODE + 2]}))  # it misses Ω_1
+    assert engine.client_events[-1][:3] == [3, 2, "rejoined"]
+    reference, _ = in_process(make, {2: [2]})
+    assert_same_state(method, reference, 1e-8)
+
+
+def test_a_slow_anapfl_node_back_with_its_state_gets_the_global_head_it_missed():
+    def make():
+        return AnaPFL(hidden_dim=16, lambdas=[0.0, 0.5, 1.0])
+
+    grid = StagedGrid(3, stalled={0: [FIRST_NODE + 1]})
+    method, engine, _ = over_grid(make, grid)
+    assert [event[:3] for event in engine.client_events] == [[0, 1, "missing"], [1, 1, "rejoined"]]
+    from workbench.engines.flower.client_app import STATE_KEY
+    from workbench.engines.flower.spec import record_views
+
+    kept = record_views(grid.contexts[FIRST_NODE + 1].state.array_records[STATE_KEY])
+    assert torch.equal(kept["global_weight"], method.weight.to(kept["global_weight"].dtype))
+
+
+def test_a_node_whose_reply_was_lost_on_the_way_is_asked_again_and_serves_from_the_next_round():
+    grid = StagedGrid(3)
+    grid.staged["expire"] = {1: [FIRST_NODE + 2]}
+    method, engine, _ = over_grid(fedavg, grid)
+    assert engine.client_events == [[1, 2, "missing", "the message expired before its SuperNode took it"],
+                                    [2, 2, "rejoined", "its node answered again: its client state as it went away"]]
+    reference, _ = in_process(fedavg, {1: [2]})
+    assert_same_state(method, reference, 1e-6)
+
+
+class StrangerGrid(StagedGrid):
+    """Also `stranger[r]`: a node of another federation (4 partitions) holding that partition connects."""
+
+    def stranger(self, partition: int) -> None:
+        from flwr.app import Context, RecordDict
+
+        node = self.join(partition)
+        self.contexts[node] = Context(run_id=1, node_id=node, state=RecordDict(), run_config={},
+                                      node_config={"partition-id": partition, "num-partitions": 4})
+
+
+def test_a_newcomer_that_answers_wrongly_is_left_out_and_the_fit_goes_on(capsys):
+    grid = StrangerGrid(3, silenced={1: [FIRST_NODE + 2]}, joined={1: [0]})  # a second node holding partition 0
+    grid.staged["stranger"] = {1: [2]}
+    method, engine, _ = over_grid(fedavg, grid)
+    assert method.fitted and [event[1:3] for event in engine.client_events] == [[2, "missing"]] * 3
+    stranger = "a SuperNode left out: SuperNode 104: the ClientApp on SuperNode 104 failed (query)"
+    assert stranger in capsys.readouterr().err
 
 
 def test_a_restarted_node_serves_its_client_again_from_the_next_round():

@@ -59,7 +59,7 @@ from workbench.settings import init_arguments, plain
 def rejoined_events(round_index: int, rejoined: dict[int, bool]) -> list[list]:
     """[round, client, "rejoined", why] rows of the clients served again (-> whether afresh)."""
     return [[round_index, client, "rejoined", "a new node: its client state afresh" if fresh
-             else "its node answered late: its client state kept"] for client, fresh in rejoined.items()]
+             else "its node answered again: its client state as it went away"] for client, fresh in rejoined.items()]
 
 
 @runtime_checkable

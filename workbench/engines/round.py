@@ -3,8 +3,9 @@
     result = run_round(method, transport, protocol, available)
 
 0. **rejoin**: a remote transport's clients served again since the last round (`rejoined()`):
-   those on a new node (a restarted SuperNode) start afresh there, so the method forgets what it
-   sent their old nodes (`FederatedMethod.forget_clients`); a slow node's keep their state;
+   on a new node (a restarted SuperNode) they start afresh, on their own node they missed the
+   broadcasts of the rounds they were away: the method forgets what it assumed they hold
+   (`FederatedMethod.forget_clients`), so what they need comes again;
 1. **plan**: the server half plans round t on the protocol's cohort of the `available` clients
    (`Federation.sampled_clients`, then `FederatedMethod.plan_round`): who takes part, and the
    broadcast;
@@ -75,7 +76,8 @@ class Replies:
         the server's wait for remote clients); bytes_up: their messages' bytes on the wire;
     missing: survivors whose replies never reached the server (remote transports: the node died,
         stalled past the deadline or is known to be gone), by client id, with why: they are
-        dropped from the round, as if they had dropped out after being asked.
+        dropped from the round, as if they had dropped out after being asked; not_sent: how many of
+        the round's clients were not even sent the broadcast (known to be away).
     """
 
     uploads: dict[str, Tensor] | None = None
@@ -85,6 +87,7 @@ class Replies:
     client_s: float = 0.0
     bytes_up: int = 0
     missing: dict[int, str] = field(default_factory=dict)
+    not_sent: int = 0
 
 
 def layout_of(upload: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -123,8 +126,8 @@ class Rejoins(Protocol):
     """A transport whose clients can go missing and come back (Flower's)."""
 
     def rejoined(self) -> dict[int, bool]:
-        """The clients served again since the last call -> whether their state starts afresh
-        (a new node) rather than kept (their node was only slow)."""
+        """The clients served again since the last call -> whether on a new node (their state
+        afresh) rather than their own (its state as it was when they went away)."""
         ...
 
 
@@ -241,17 +244,18 @@ def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtoc
         costs = secure.costs(survivors.tolist())
     down_per_client = messages_bytes(plan.broadcast) + (CLIP_NORM_BYTES if privacy.clip_norm is not None else 0)
     return RoundResult(round_index, cohort, survivors, lost, uploads, metrics, bytes_up=replies.bytes_up,
-                       bytes_down=down_per_client * len(cohort), client_s=replies.client_s, server_s=server_s,
-                       secure_s=secure_s, client_time_sums=client_times, secagg_costs=costs,
+                       bytes_down=down_per_client * (len(cohort) - replies.not_sent), client_s=replies.client_s,
+                       server_s=server_s, secure_s=secure_s, client_time_sums=client_times, secagg_costs=costs,
                        missing=dict(replies.missing), rejoined=rejoined)
 
 
 def _rejoin(method: FederatedMethod, transport: Transport, device: torch.device) -> dict[int, bool]:
-    """The clients a remote transport serves again since the last round (-> whether afresh); the
-    method forgets what it sent the old nodes of those that start afresh on new ones."""
+    """The clients a remote transport serves again since the last round (-> whether on a new
+    node); the method forgets what it assumed they hold: a new node holds nothing, and their own
+    node missed the broadcasts of the rounds they were away."""
     rejoined = transport.rejoined() if isinstance(transport, Rejoins) else {}
-    if afresh := [client for client, fresh in rejoined.items() if fresh]:
-        method.forget_clients(torch.tensor(afresh, dtype=torch.long, device=device))
+    if rejoined:
+        method.forget_clients(torch.tensor(sorted(rejoined), dtype=torch.long, device=device))
     return rejoined
 
 

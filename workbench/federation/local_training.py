@@ -310,7 +310,8 @@ def _one_client(loss: Callable[..., Tensor]) -> Callable[..., dict[str, Tensor]]
 
     def client_grad(params: dict[str, Tensor], x: Tensor, y: Tensor, weight: Tensor) -> dict[str, Tensor]:
         leaves = {name: value[0].detach().requires_grad_() for name, value in params.items()}
-        gradients = torch.autograd.grad(loss(leaves, x[0], y[0], weight[0]), list(leaves.values()))
+        gradients = torch.autograd.grad(loss(leaves, x[0], y[0], weight[0]), list(leaves.values()),
+                                        allow_unused=True, materialize_grads=True)  # an unused one: 0, as grad gives
         return {name: gradient[None] for name, gradient in zip(leaves, gradients, strict=True)}
 
     return client_grad

@@ -305,10 +305,11 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
         that were asked and never replied (lost nodes); default: it can, on those that replied."""
 
     def forget_clients(self, clients: Tensor) -> None:
-        """`clients` (m,) start afresh on new nodes (a restarted SuperNode): their client state is
-        the initial one, so what the server assumed they kept from its broadcasts is gone. From
-        then on `clients_missed_broadcasts` holds (what they need comes again); a method that
-        tracks what each client holds forgets theirs (DeepAFL's Ω_t)."""
+        """`clients` (m,) are back after missing rounds, on new nodes (their client state the
+        initial one) or their own (as it was when they went away): what the server assumed they
+        kept from its broadcasts may be gone or stale. From then on `clients_missed_broadcasts`
+        holds (what they need comes again); a method that tracks what each client holds forgets
+        theirs (DeepAFL's Ω_t)."""
         self._forgot_clients = True
 
     @property

@@ -167,8 +167,9 @@ class Node:
 
 
 def _marks(half: ClientHalf) -> dict[str, tuple]:
-    """Each state tensor's storage and in-place version: they change when the tensor does."""
-    return {name: (value.data_ptr(), value._version, value.dtype, tuple(value.shape))
+    """Each state tensor's identity, storage and in-place version: one of them changes when the
+    tensor does (a write through `.data` aside, which the client halves do not make)."""
+    return {name: (id(value), value.data_ptr(), value._version, value.dtype, tuple(value.shape))
             for name, value in half_state(half).items()}
 
 

@@ -8,8 +8,11 @@ pulled, as on a SuperLink. What a real federation does to a server can be staged
   is handled by the copy `process_of(node, exchange)` names (default: one process);
 - `silence(node)`: the node stops answering (killed), so its replies never come;
 - `stall(node)`: the node is slow once: its next reply comes only with the exchange after;
+- `expire(node)`: the node's next reply is lost on the way (Flower's "message unavailable");
 - `lose(node)`: Flower reports the node gone (its heartbeats stopped): an error reply;
 - `join(partition)`: a new SuperNode (a restarted one) connects and holds that partition.
+
+A handler that raises is answered by an error reply naming the exception, as Flower's ClientApp is.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ class LoopbackGrid:
         self.exchanges = 0  # the push_messages calls so far
         self.silent: set[int] = set()
         self.stalled: set[int] = set()
+        self.expiring: set[int] = set()
         self.gone: set[int] = set()
         self._replies: dict[str, Message] = {}
         self._held: dict[str, Message] = {}  # stalled nodes' replies, released by the next exchange
@@ -57,6 +61,10 @@ class LoopbackGrid:
         """The node's next reply comes late: only once the next exchange's messages went out."""
         self.stalled.add(node)
 
+    def expire(self, node: int) -> None:
+        """The node's next reply is lost on the way: an error reply instead (the node stays)."""
+        self.expiring.add(node)
+
     def lose(self, node: int) -> None:
         """Flower reports the node gone (no heartbeat): messages to it get an error reply, and it
         leaves the connected nodes."""
@@ -73,13 +81,18 @@ class LoopbackGrid:
             message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
             ids.append(message.metadata.message_id)
             node = message.metadata.dst_node_id
-            if node in self.gone:
-                self._replies[ids[-1]] = Message(Error(ErrorCode.NODE_UNAVAILABLE, "Error: Node Unavailable"),
-                                                 reply_to=message)
+            if node in self.gone or node in self.expiring:
+                code = ErrorCode.NODE_UNAVAILABLE if node in self.gone else ErrorCode.MESSAGE_UNAVAILABLE
+                self.expiring.discard(node)
+                self._replies[ids[-1]] = Message(Error(code, "Error: unavailable"), reply_to=message)
             elif node not in self.silent:
                 client_app._nodes = self.copies[self.process_of(node, self.exchanges)]
                 handler = client_app.HANDLERS[message.metadata.message_type]
-                reply = handler(message, self.contexts[node])
+                try:
+                    reply = handler(message, self.contexts[node])
+                except Exception as error:  # as Flower's ClientApp process answers
+                    reply = Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{type(error)}:<'{error}'>"),
+                                    reply_to=message)
                 if node in self.stalled:
                     self.stalled.discard(node)
                     self._held[ids[-1]] = reply

@@ -93,7 +93,10 @@ class Node:
                     continue
                 unreachable_since = None
                 if offer.HasField("task") and offer.token:
-                    self.run_task(offer.token)
+                    try:
+                        self.run_task(offer.token)
+                    except Exception as error:  # one task's transport failed: the next may not
+                        print(f"a task failed on its way: {type(error).__name__}: {error}", file=sys.stderr)
                     self.tasks += 1
                 else:
                     time.sleep(self.poll_s)

@@ -30,7 +30,8 @@ from workbench.federation import codec
 from workbench.federation.secure_aggregation import ring_sum
 from workbench.methods.base import FederatedMethod
 
-# Flower's errors that mean a node is gone, not that its ClientApp failed: the client is dropped
+# Flower's errors that mean a node's reply is lost, not that its ClientApp failed: the client is
+# dropped from the round (and asked again once its node is connected with nothing pending)
 NODE_LOST = {ErrorCode.NODE_UNAVAILABLE: "its SuperNode stopped sending heartbeats",
              ErrorCode.MESSAGE_UNAVAILABLE: "the message expired before its SuperNode took it",
              ErrorCode.REPLY_MESSAGE_UNAVAILABLE: "its reply expired",
@@ -163,12 +164,13 @@ class FlowerClients:
                    if message.metadata.message_id not in taken}
         return waiting, missing
 
-    def _collect(self, waiting: dict[str, int], message_type: str, deadline_s: float,
-                 counted: bool = True) -> tuple[dict[int, RecordDict], dict[int, str]]:
+    def _collect(self, waiting: dict[str, int], message_type: str, deadline_s: float, counted: bool = True,
+                 failed_ok: bool = False) -> tuple[dict[int, RecordDict], dict[int, str]]:
         """The replies to the `waiting` messages ({message id: node}; those answered are taken
         out) that come within `deadline_s` (0: those already there): ({node: reply content},
         {node: why it sent none}); nodes still waiting after a deadline > 0 are missing (and
-        stay in `waiting`). `counted`: the replies are the rounds' traffic."""
+        stay in `waiting`). `counted`: the replies are the rounds' traffic. A ClientApp's failure
+        is an error, or with `failed_ok` (a newcomer's introduction) missing too."""
         counted = counted and message_type != "query"  # not the introductions
         replies: dict[int, RecordDict] = {}
         missing: dict[int, str] = {}
@@ -177,10 +179,10 @@ class FlowerClients:
             for reply in self._grid().pull_messages(list(waiting)):
                 node = waiting.pop(reply.metadata.reply_to_message_id)
                 if reply.has_error():
-                    if reply.error.code not in NODE_LOST:
-                        raise RuntimeError(f"the ClientApp on SuperNode {node} failed ({message_type}): "
-                                           f"{reply.error.reason}")
-                    missing[node] = NODE_LOST[reply.error.code]
+                    failure = f"the ClientApp on SuperNode {node} failed ({message_type}): {reply.error.reason}"
+                    if reply.error.code not in NODE_LOST and not failed_ok:
+                        raise RuntimeError(failure)
+                    missing[node] = NODE_LOST.get(reply.error.code, failure)
                     continue
                 replies[node] = reply.content
                 if counted:
@@ -218,13 +220,10 @@ class FlowerClients:
                 raise RuntimeError(f"SuperNode {node} answered for client {client} but serves client {served[node]}")
             replies[client] = content
         when = f"round {round_index}" if round_index is not None else message_type
-        late = set(self._late.values())
         for node, why in lost.items():
             client = served[node]
             missing[client] = why
             self.away[client] = f"its SuperNode was lost in {when} ({why})"
-            if node not in late:  # gone (Flower says so): it will not answer again
-                self.retired.add(node)
         return replies, missing
 
     def _introduction(self) -> RecordDict:
@@ -237,49 +236,68 @@ class FlowerClients:
         replies, missing = self._send(dict.fromkeys(nodes, self._introduction()), "query",
                                       deadline_s=self.settings.connect_s)
         self._late.clear()  # a node that does not answer its introduction ends the fit (or is asked again)
-        return self._holders(replies), missing
+        holders, refused = self._holders(replies)
+        if refused:
+            raise ValueError(refused[0])
+        return holders, missing
 
-    def _holders(self, replies: Mapping[int, RecordDict]) -> dict[int, int]:
-        """{node: the client it holds} from the nodes' answers to their introduction; each must
-        hold the `samples[k]` training samples the server's copy of the data gives its client k,
-        and no two of them the same client."""
+    def _holders(self, replies: Mapping[int, RecordDict]) -> tuple[dict[int, int], list[str]]:
+        """({node: the client it holds}, why each other node was refused) from the nodes' answers to
+        their introduction; each must hold the `samples[k]` training samples the server's copy of
+        the data gives its client k, and no two of them the same client."""
         holders: dict[int, int] = {}
+        refused: list[str] = []
         for node, reply in sorted(replies.items()):
             report = reply.metric_records["report"]
             client = int(number(report, "client_id"))
+            held = int(number(report, "num_samples"))
             if client in holders.values():
                 other = next(n for n, c in holders.items() if c == client)
-                raise ValueError(f"SuperNodes {other} and {node} both hold partition-id {client}: "
-                                 "give each SuperNode its own")
-            held = int(number(report, "num_samples"))
-            if held != int(self.samples[client]):
-                raise ValueError(f"SuperNode {node} holds {held} training samples of client {client} but the "
-                                 f"server's data gives it {int(self.samples[client])}: the machines load different "
-                                 "data")
-            holders[node] = client
-        return holders
+                refused.append(f"SuperNodes {other} and {node} both hold partition-id {client}: "
+                               "give each SuperNode its own")
+            elif held != int(self.samples[client]):
+                refused.append(f"SuperNode {node} holds {held} training samples of client {client} but the "
+                               f"server's data gives it {int(self.samples[client])}: the machines load different "
+                               "data")
+            else:
+                holders[node] = client
+        return holders, refused
 
     def _admit(self) -> None:
-        """An away client whose node answered late (it was slow, not gone) is served again from
-        the next round, its state kept. Introduces the SuperNodes that connected since the fit
-        began, without waiting for their answers (a new node may take long to set up its data;
-        its answer is read at a later round's end); one holding an away client's partition serves
-        it from the next round, its state afresh (`rejoined`)."""
-        late, gone = self._collect(self._late, "late", deadline_s=0, counted=False)
-        self.retired.update(gone)
+        """Brings away clients back, without waiting, at a round's end: one whose node answers
+        (its late reply; or the introduction it is asked again once connected with no
+        introduction pending: a node that recovered, or restarted under its old id) serves again
+        from the next round on that node; a SuperNode that connected since the fit began is introduced
+        (a new node may take long to set up its data: its answer is read at a later round's end)
+        and, holding an away client's partition, serves it from the next round. A newcomer that
+        answers wrongly (other data, a partition held twice, a failure) is named and left out."""
+        late, _ = self._collect(self._late, "late", deadline_s=0, counted=False, failed_ok=True)
         for client, node in list(self.nodes.items()):
             if node in late and client in self.away:
                 del self.away[client]
                 self._rejoined[client] = False
         if not self.away and not self._introducing:
             return
-        known = set(self.nodes.values()) | set(self.spares) | self.retired | set(self._introducing.values())
-        if newcomers := sorted(set(self._grid().get_node_ids()) - known):
-            waiting, _ = self._push(dict.fromkeys(newcomers, self._introduction()), "query")
+        connected = set(self._grid().get_node_ids())
+        asked = set(self._introducing.values())  # (not its late train message: a restart under its old id drops it)
+        again = {self.nodes[client] for client in self.away} - self.retired - asked
+        known = set(self.nodes.values()) | set(self.spares) | self.retired | asked
+        if ask := sorted((connected - known) | (again & connected)):
+            waiting, _ = self._push(dict.fromkeys(ask, self._introduction()), "query")
             self._introducing.update(waiting)
-        replies, gone = self._collect(self._introducing, "query", deadline_s=0)
-        self.retired.update(gone)
-        self.spares.update(self._holders(replies))
+        replies, failed = self._collect(self._introducing, "query", deadline_s=0, failed_ok=True)
+        holders, refused = self._holders(replies)
+        for why in [*refused, *(f"SuperNode {node}: {why}" for node, why in failed.items())]:
+            print(f"a SuperNode left out: {why}", file=sys.stderr)
+        self.retired.update(set(replies) - set(holders))
+        served = {node: client for client, node in self.nodes.items()}
+        for node, client in holders.items():
+            if served.get(node) == client:  # its own node, answering again
+                if client in self.away:
+                    del self.away[client]
+                    self._rejoined[client] = False
+            else:
+                self.spares[node] = client
         for node, client in list(self.spares.items()):
             if client in self.away:
                 del self.away[client], self.spares[node]
@@ -289,8 +307,8 @@ class FlowerClients:
 
     # ---- the transport's interface ------------------------------------------------------------
     def rejoined(self) -> dict[int, bool]:
-        """The clients served again since the last call -> whether their state starts afresh (on a
-        new SuperNode) or is kept (their node answered late)."""
+        """The clients served again since the last call -> whether on a new SuperNode (their state
+        afresh) rather than their own node (its state as it was: it did nothing while away)."""
         clients, self._rejoined = dict(sorted(self._rejoined.items())), {}
         return clients
 
@@ -306,9 +324,11 @@ class FlowerClients:
         contents = {client: RecordDict({"broadcast": down, "round": self._settings(
             round=request.round_index, lost=client in lost, secure=secure_settings, clip_norm=clip_norm)})
             for client in sorted(survivors + lost)}
+        not_sent = sum(client in self.away for client in contents)  # away already: no message goes to them
         replies_by_client, missing = self._exchange(contents, "train", str(request.round_index), request.round_index)
 
-        replies = Replies(missing={client: why for client, why in missing.items() if client in survivors})
+        replies = Replies(missing={client: why for client, why in missing.items() if client in survivors},
+                          not_sent=not_sent)
         symmetric = codec.symmetric_names(request.spec)
         for client in sorted(set(survivors) - set(missing)):  # a fixed order: the sum does not depend on arrival
             reply = replies_by_client[client]
