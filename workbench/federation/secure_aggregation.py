@@ -124,18 +124,22 @@ def ring_sum(elements: Iterable[Tensor]) -> Tensor:
     return total
 
 
-def encode(values: Tensor, fractional_bits: int, num_summands: int) -> Tensor:
-    """Fixed-point ring elements of `values`: round(x · 2^b) mod 2^62 (integers as they are), same shape.
+def encode(values: Tensor, fractional_bits: int, num_summands: int, out: Tensor | None = None) -> Tensor:
+    """Fixed-point ring elements of `values`: round(x · 2^b) mod 2^62 (integers as they are), same
+    shape (written into `out` when given: int64, as many elements).
 
     Raises when a value is so large that `num_summands` such values could wrap around the ring.
     """
     if values.is_floating_point():
-        scaled = torch.round(values.double() * 2.0 ** fractional_bits)
+        scaled = values.double() * 2.0 ** fractional_bits  # a new tensor: rounded in place
+        scaled.round_()
     else:
         scaled, fractional_bits = values.double(), 0
-    largest = float(scaled.abs().max()) if scaled.numel() else 0.0
+    low, high = torch.aminmax(scaled) if scaled.numel() else (scaled.new_zeros(()), scaled.new_zeros(()))
+    largest = max(-float(low), float(high))
     bound = HALF_RING / num_summands
     if not largest < bound:  # also catches inf and NaN
+        largest = float(scaled.abs().max())  # NaN where there is one
         magnitude = largest / 2.0 ** fractional_bits
         fits = int(np.floor(np.log2(bound / magnitude))) if 0 < magnitude < float("inf") else None
         hint = (f"lower federation.fixed_point_bits to at most {fits}" if fits is not None and fits >= 0
@@ -143,7 +147,8 @@ def encode(values: Tensor, fractional_bits: int, num_summands: int) -> Tensor:
         raise ValueError(
             f"a client's upload reaches |x| = {magnitude:.4g}: with {fractional_bits} fractional bits, the "
             f"sum over {num_summands} clients could wrap around the 2^{RING_BITS} ring; {hint}")
-    return (values.long() if not values.is_floating_point() else scaled.long()) & RING_MASK
+    integers = scaled.long() if values.is_floating_point() else values.long()
+    return torch.bitwise_and(integers, RING_MASK, out=out)
 
 
 def decode(elements: Tensor, fractional_bits: int, dtype: torch.dtype) -> Tensor:
@@ -289,14 +294,15 @@ class UploadLayout:
 
     def flatten(self, uploads: Mapping[str, Tensor], fractional_bits: int, num_summands: int) -> Tensor:
         """Encoded ring elements of every field, concatenated: (length,) int64."""
-        parts = []
+        message, start = torch.empty(self.length, dtype=torch.int64), 0
         for field in self.fields:
             value = uploads[field.name].detach().cpu()
             if field.packed:
                 side = field.shape[-1]
                 value = value.reshape(*field.shape[:-2], side * side).index_select(-1, self.upper(side))
-            parts.append(encode(value.reshape(-1), fractional_bits, num_summands))
-        return torch.cat(parts)
+            encode(value.reshape(-1), fractional_bits, num_summands, out=message[start:start + field.length])
+            start += field.length
+        return message
 
     def unflatten(self, elements: Tensor, fractional_bits: int) -> dict[str, Tensor]:
         """Decoded named tensors of their original shapes and dtypes (symmetric ones mirrored)."""
