@@ -15,6 +15,7 @@ from workbench.engines import LightningEngine
 from workbench.engines.local import LocalClients
 from workbench.federation import Federation
 from workbench.federation.messages import SEED_BYTES, messages_bytes
+from workbench.federation.privacy import clip_features
 from workbench.methods import DeepAFL, Problem
 from workbench.methods.deepafl import (
     omega_from_factors,
@@ -423,8 +424,44 @@ def test_fit_runs_its_rounds_and_reports_every_depth(fit_method, schedule, round
     # the per-depth accuracy, computed one layer at a time, is the accuracy of the model at that depth
     test = trainer.test(engine, datamodule=dm, verbose=False)[0]["test/acc"]
     assert method.depth_accuracy[-1] == pytest.approx(test, abs=1e-6)
+    rebuilt = float((method(dm.test_features).argmax(1) == dm.test_labels).double().mean())  # all T layers again
+    assert method.depth_accuracy[-1] == pytest.approx(rebuilt, abs=1e-12)
     first = (method.features_at_depth(dm.test_features, 0) @ method.classifier[0]).argmax(1)
     assert method.depth_accuracy[0] == pytest.approx(float((first == dm.test_labels).double().mean()))
+
+
+def test_the_test_pass_reads_the_logits_the_last_depth_scored(monkeypatch):
+    """The depth curve scored the test split at depth T: the test pass reads those logits for
+    its batches (full ones and the shorter last one) instead of rebuilding T layers, equal to the
+    model's to rounding; other rows, or a model loaded since, are scored afresh."""
+    dm = data(partition="dirichlet", alpha=0.5, num_clients=5, batch_size=128)
+    method = DeepAFL(num_layers=3, **SMALL)
+    trainer = Trainer(max_epochs=method.num_rounds, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    engine = LightningEngine(method)
+    trainer.fit(engine, datamodule=dm)
+    assert len(dm.test_features) % 128 != 0  # a shorter last batch
+    batches = list(dm.test_features.split(128))
+    expected = [method(batch) for batch in batches]
+    rebuilt, features_at_depth = [], DeepAFL.features_at_depth
+
+    def counted(self, *args):
+        rebuilt.append(args)
+        return features_at_depth(self, *args)
+
+    monkeypatch.setattr(DeepAFL, "features_at_depth", counted)
+    for index, batch in enumerate(batches):
+        torch.testing.assert_close(method.logits(batch.clone(), cache_key=("test_batch", index)), expected[index],
+                                   rtol=0, atol=1e-10)
+    assert not rebuilt  # every batch read from what the curve kept
+    test = trainer.test(engine, datamodule=dm, verbose=False)[0]["test/acc"]
+    assert not rebuilt and test == pytest.approx(method.depth_accuracy[-1], abs=1e-6)  # a float32 metric
+    other = batches[1] + 1.0  # other rows under a kept batch's index: scored afresh
+    torch.testing.assert_close(method.logits(other, cache_key=("test_batch", 1)), method(other), rtol=0, atol=0)
+    rebuilt.clear()
+    method.load_state_dict(method.state_dict())  # a checkpoint loaded: what was kept is of another model
+    method.logits(batches[0], cache_key=("test_batch", 0))
+    assert rebuilt
 
 
 def local_clients(method: DeepAFL, dm: FederatedDataModule, batch_size: int = 64) -> LocalClients:
@@ -596,3 +633,19 @@ def test_configs_parse(config, capsys):
 def test_bad_hyperparameters_are_rejected(bad, match):
     with pytest.raises(ValueError, match=match):
         DeepAFL(**bad)
+
+
+def test_the_depth_curve_scores_the_test_split_as_the_test_pass_does_under_feature_clip():
+    """With feature_clip, the clients train on clipped rows: the depth curve scores the clipped
+    test rows too, so its last depth is the test pass's accuracy (and its logits are reused)."""
+    dm = data(partition="dirichlet", alpha=0.5, num_clients=5, batch_size=128)
+    method = DeepAFL(num_layers=2, **SMALL)
+    trainer = Trainer(max_epochs=method.num_rounds, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    clip = float(dm.test_features.norm(dim=1).median())  # clips about half the rows
+    engine = LightningEngine(method, federation=Federation(feature_clip=clip))
+    trainer.fit(engine, datamodule=dm)
+    clipped = clip_features(dm.test_features, clip)
+    expected = float((method(clipped).argmax(1) == dm.test_labels).double().mean())
+    assert method.depth_accuracy[-1] == pytest.approx(expected, abs=1e-12)
+    assert expected != pytest.approx(float((method(dm.test_features).argmax(1) == dm.test_labels).double().mean()))

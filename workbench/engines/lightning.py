@@ -422,7 +422,7 @@ class LightningEngine(LightningModule):
         """The method's metrics against its own steps (`step_metrics`)."""
         features = getattr(self.data, "test_features", None)
         labels = self.data.test_labels.to(self.device) if features is not None else None
-        features = features.to(self.device) if features is not None else None
+        features = self._inputs(features.to(self.device)) if features is not None else None  # as the test pass's
         for step, metrics in self.method.step_metrics(features, labels, self.fit_metrics):
             for logger in self.loggers:
                 logger.log_metrics(metrics, step=step)
@@ -465,8 +465,9 @@ class LightningEngine(LightningModule):
     def test_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
         method, inputs = self.method, self._inputs(batch["features"])
         if "client_ids" not in batch:  # the global test split
-            if method.global_model:
-                self._evaluate(method(inputs), batch["labels"], self.test_acc, "test/acc")
+            if method.global_model:  # a method may read logits its fit computed for these rows
+                logits = method.logits(inputs, cache_key=("test_batch", batch_idx))
+                self._evaluate(logits, batch["labels"], self.test_acc, "test/acc")
             for head, logits in method.head_logits(inputs).items():
                 self._evaluate(logits, batch["labels"], cast(MulticlassAccuracy, self.head_acc[head]),
                                f"test/acc/{head}")

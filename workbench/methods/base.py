@@ -284,7 +284,8 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
 
     def logits(self, features: Tensor, cache_key: tuple | None = None) -> Tensor:
         """The global model's logits of evaluation data; `cache_key` names the data (e.g. a
-        validation batch) for methods that advance a kept representation instead of recomputing."""
+        validation batch, or ("test_batch", i) in the test pass) for methods that advance a kept
+        representation, or keep what their fit computed, instead of recomputing."""
         return self(features)
 
     @torch.no_grad()

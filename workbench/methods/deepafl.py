@@ -455,6 +455,8 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         # Φ of evaluation data while fitting, advanced one layer per depth instead of rebuilt:
         # key ("test",) or ("val", batch index) -> (depth, features, Φ)
         self._eval_phi: dict[tuple, tuple[int, Tensor, Tensor]] = {}
+        # the fitted model's logits of the test split the depth curve scored last: (features, logits)
+        self._test_logits: tuple[Tensor, Tensor] | None = None
 
     @property
     def fused(self) -> bool:
@@ -655,6 +657,7 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         return self._with_omega({"classifier": self.classifier[self.depth]}, everyone, self.depth)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        self._eval_phi, self._test_logits = {}, None  # of the model being replaced
         # a checkpoint from before `omega_sent` was kept: every client took part in every round
         rounds = state_dict.get(prefix + "rounds_done")
         if rounds is not None and prefix + "omega_sent" not in state_dict:
@@ -678,9 +681,7 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         Φ when it is kept under `key` for the same data: evaluating every depth costs T layers,
         not T²/2."""
         kept_depth, kept_features, phi = self._eval_phi.get(key, (None, None, None))
-        if kept_depth is not None and not (kept_features.shape == features.shape
-                                           and kept_features.device == features.device
-                                           and torch.equal(kept_features, features)):
+        if kept_depth is not None and not _same_rows(kept_features, features):
             kept_depth = None  # other data under the same key: start again
         if kept_depth != depth:
             phi = (self.next_features(phi, depth) if depth > 0 and kept_depth == depth - 1
@@ -690,10 +691,27 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
 
     def logits(self, features: Tensor, cache_key: tuple | None = None) -> Tensor:
         """Logits of the latest depth; with `cache_key` (a validation batch while fitting) from a
-        kept Φ advanced one layer per depth."""
+        kept Φ advanced one layer per depth; a batch of the test pass (("test_batch", i)) reads the
+        logits the depth curve computed at the last depth where they are of the same rows."""
         if cache_key is None:
             return self(features)
+        if cache_key[0] == "test_batch":
+            kept = self._kept_test_logits(features, cache_key[1])
+            return self(features) if kept is None else kept
         return self._evaluation_features(cache_key, features, self.depth) @ self.classifier[self.depth]
+
+    def _kept_test_logits(self, features: Tensor, batch_index: int) -> Tensor | None:
+        """The kept test logits of `features` where they are batch `batch_index` of the test split
+        the curve scored (rows i·n.. of n-row batches, or its last n rows), compared row for row."""
+        if self._test_logits is None:
+            return None
+        test_features, test_logits = self._test_logits
+        rows = len(features)
+        for start in (batch_index * rows, len(test_features) - rows):  # a full batch; the last, shorter one
+            window = test_features[start:start + rows]
+            if 0 <= start and _same_rows(window, features):
+                return test_logits[start:start + rows]
+        return None
 
     @torch.no_grad()
     def step_metrics(self, test_features: Tensor | None, test_labels: Tensor | None,
@@ -704,11 +722,20 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
             return []
         depth = self.depth
         if depth == 0:
-            self.depth_accuracy = []
+            self.depth_accuracy, self._test_logits = [], None
         accuracy = self.accuracy(test_features, test_labels)  # the test split's Φ kept, one layer on
         self.depth_accuracy.append(accuracy)
         if self.round >= self.num_rounds:  # the last depth: the kept Φ was only needed while fitting
+            test_chunks = sorted(key for key in self._eval_phi if key[0] == "test")  # ("test", i), in row order
+            # the fitted model's test logits, for the test pass to read rather than rebuild T layers
+            self._test_logits = (test_features, torch.cat([self._eval_phi[key][2] @ self.classifier[depth]
+                                                           for key in test_chunks]))
             for key in [key for key in self._eval_phi if key[0] != "val"]:  # the curve's test and validation
                 del self._eval_phi[key]
         return [(depth, {"depth/test_acc": accuracy, "depth/depth": float(depth),
                          "depth/bytes_up": fit_metrics["comm/bytes_up"]})]
+
+
+def _same_rows(a: Tensor, b: Tensor) -> bool:
+    """Whether two evaluation batches hold the same rows (what a kept Φ or logits were computed from)."""
+    return a.shape == b.shape and a.device == b.device and a.dtype == b.dtype and torch.equal(a, b)
