@@ -11,11 +11,14 @@ never looked at to choose: it is only reported.
 Models: `head` is the linear head on the features (the start fits it exactly); `mlp` is the
 suite's 1280 → 64 → 10 MLP, whose start fits its last layer on the hidden activations at w₀ (the
 first layer stays as seeded until the gradient rounds train it); `tail` (opt in: `--runs tail/...`,
-about 200 s a round on 2 CPU cores) trains EfficientNet-Lite0's last stage and the head on the
+about 30 s a round on 2 CPU cores) trains EfficientNet-Lite0's last stage and the head on the
 cached maps at its input (`data.trainable_tail: 1`), its start the head on the pooled features.
 The starts take the settings of configs/{afl,fed3r,fedncm}_fashion.yaml and choose their
 temperature on the same hold-outs (`workbench.methods.analytic_start`); their start rounds are
-counted in the rounds and bytes.
+counted in the rounds and bytes. Two more runs of each model when named: `AFL+FT-fixed` (the AFL
+start with the last layer kept fixed while the layers below it train, `fixed_head`) and `central`,
+the reference of what the model reaches with this training: FedAvg with one client holding every
+client's training rows (minibatch SGD, a round an epoch, the same rates, hold-out and rule).
 
 Reported per run: the test accuracy after the start (round S, before any gradient step), final
 and best test accuracy, the rounds of the fit (start included), MB up per client, and the rounds
@@ -50,15 +53,23 @@ from workbench.methods.analytic_start import AnalyticStart
 LR_GRID = (0.01, 0.03, 0.1, 0.3)
 BUDGET, PATIENCE = 50, 5  # the suite's
 #: the starts' settings: those of configs/{afl,fed3r,fedncm}_fashion.yaml
-STARTS = {"FedAvg": None, "AFL+FT": ("AFL", {"gamma_out": 1.0}), "Fed3R+FT": ("Fed3R", {"ridge": 0.01, "bias": True}),
-          "FedNCM+FT": ("FedNCM", {"temperature": 1.0})}
+AFL_START = {"method": "AFL", "settings": {"gamma_out": 1.0}}
+STARTS = {"FedAvg": None, "AFL+FT": AFL_START,
+          "Fed3R+FT": {"method": "Fed3R", "settings": {"ridge": 0.01, "bias": True}},
+          "FedNCM+FT": {"method": "FedNCM", "settings": {"temperature": 1.0}},
+          "AFL+FT-fixed": {**AFL_START, "fixed_head": True}, "central": None}
+OPT_IN = ("AFL+FT-fixed", "central")  # run when named (--runs)
+#: `central`: not a federated run but its reference, FedAvg with one client holding every client's
+#: training rows (plain minibatch SGD, a round an epoch, the same rates, hold-out and rule)
+CENTRAL = {"num_clients": 1, "partition": "iid"}
 MODELS = {"head": {"architecture": "linear"}, "mlp": {"architecture": "mlp", "hidden_dim": 64},
           "tail": {"architecture": "tail"}}
 #: the data settings of a model beside the suite's: `tail` trains EfficientNet-Lite0's last stage
-#: on the cached maps at its input (about 200 s a round on 2 CPU cores: opt in with --runs)
+#: on the cached maps at its input (about 30 s a round on 2 CPU cores: opt in with --runs)
 MODEL_DATA = {"tail": {"trainable_tail": 1}}
-RUNS = [f"{model}/{start}" for model in MODELS for start in STARTS]
-DEFAULT_RUNS = [run for run in RUNS if not run.startswith("tail/")]
+RUNS = [f"{model}/{start}" for model in MODELS for start in STARTS
+        if (model, start) != ("head", "AFL+FT-fixed")]  # a fixed head would leave the linear model nothing to train
+DEFAULT_RUNS = [run for run in RUNS if not run.startswith("tail/") and run.split("/")[1] not in OPT_IN]
 #: --dry_run: every run on synthetic blobs, 10 clients, 2 of FedAvg's rounds, one rate
 DRY_DATA = {"dataset": "synthetic", "synthetic": SyntheticBlobs(num_classes=10, dim=32, train_size=2000,
                                                                  test_size=500, seed=0),
@@ -67,14 +78,16 @@ DRY_DATA = {"dataset": "synthetic", "synthetic": SyntheticBlobs(num_classes=10, 
 
 def entry(name: str) -> Entry:
     model, start = name.split("/")
-    init = AnalyticStart() if STARTS[start] is None else AnalyticStart(method=STARTS[start][0],
-                                                                       settings=STARTS[start][1])
+    init = AnalyticStart(**STARTS[start] or {})
 
     def make(lr: float, rounds: int) -> FedAvg:
         return FedAvg(num_rounds=rounds, **MODELS[model], local=LocalTraining(epochs=1, lr=lr, batch_size=64),
                       sample_fraction=1.0, seed=0, init_from=init)
 
-    setting = "from the seeded w₀" if STARTS[start] is None else f"last layer from {STARTS[start][0]}"
+    start_from = STARTS[start]
+    setting = ("one client holding every training row: centralized SGD" if start == "central" else
+               "from the seeded w₀" if start_from is None else
+               f"last layer from {start_from['method']}" + (", kept fixed" if start_from.get("fixed_head") else ""))
     return Entry(name, "global", setting, make, tune="grid")
 
 
@@ -105,8 +118,11 @@ def report(rows: dict[str, dict], args: argparse.Namespace, machine: str) -> lis
               f"learning rate from {rates} chosen on the clients' 10 % hold-outs, each rate "
               f"run until hold-out accuracy gains ≤ 0.1 point in {args.patience} rounds or {args.budget} of "
               "FedAvg's rounds; the test split only reported. `head`: the linear head on the features; `mlp`: "
-              "1280 → 64 → 10, its last layer started on the hidden activations at w₀. Rounds and MB include "
+              "1280 → 64 → 10, its last layer started on the hidden activations at w₀; `tail`: EfficientNet-Lite0's "
+              "last stage and a linear head trained on the cached (192, 2, 2) maps at its input, the start's head "
+              "fitted on the pooled features. Rounds and MB include "
               "the start's rounds (the statistics, then the temperature's scores)."), "", machine, "",
+             f"Ran: `{' '.join(['python benchmarks/analytic_start.py', *args.argv])}`", "",
              "| model | run | setting | after the start | final | best | rounds | MB up / client "
              "| rounds to FedAvg's final (MB) | fewer rounds |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -119,12 +135,17 @@ def report(rows: dict[str, dict], args: argparse.Namespace, machine: str) -> lis
         hit = None if target is None else first_reaching(row, target)
         base = None if scratch is None or target is None else first_reaching(scratch, target)
         ratio = "—" if hit is None or base is None or row is scratch else f"{base[0] / hit[0]:.1f}×"
-        start_rounds = 0 if STARTS[name.split('/')[1]] is None else 2
+        start = name.split("/")[1]
+        start_rounds = 0 if STARTS[start] is None else 2
         best = max((p.get("round/test_acc", 0.0) for p in row["curve"]), default=float("nan"))
-        lines.append(f"| {model} | {name.split('/')[1]} | {row['setting']} | "
+        reach = "—" if target is None else "not reached" if hit is None else f"{hit[0]} ({hit[1]:.2f})"
+        upload = f"{row['up'] / 1e6:.2f}"
+        if start == "central":  # epochs of one client: no upload, no federated rounds to compare
+            reach, upload, ratio = (f"{hit[0]} epochs" if hit else reach), "—", "—"
+        lines.append(f"| {model} | {start} | {row['setting']} | "
                      f"{percent(after_start(row, start_rounds)) if start_rounds else '—'} | {percent(row['acc'])} | "
-                     f"{percent(best)} | {row['rounds']} | {row['up'] / 1e6:.2f} | "
-                     f"{'not reached' if hit is None else f'{hit[0]} ({hit[1]:.2f})'} | {ratio} |")
+                     f"{percent(best)} | {row['rounds']} | "
+                     f"{upload} | {reach} | {ratio} |")
     lines += ["", "Test accuracy by round (%, the chosen rate's run):", ""]
     longest = max((len(row["curve"]) for row in rows.values()), default=0)
     shown = sorted({r for r in (1, 2, 3, 4, 5, 10, 15, 20, 25, 30, 40, 50) if r <= longest} | {longest} - {0})
@@ -147,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dry_run", action="store_true",
                         help="synthetic blobs, 2 rounds, lr 0.1: a check that it runs")
     args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv
     if args.dry_run:
         args.lrs, args.budget = [0.1], 2
     for notice in (".*does not have many workers", ".*GPU available.*", ".*TPU available.*", ".*LeafSpec.*"):
@@ -157,19 +179,20 @@ def main(argv: list[str] | None = None) -> None:
     load_start, start = load_average(), time.perf_counter()
     if args.runs is None:
         args.runs = RUNS if args.dry_run else DEFAULT_RUNS
-    modules: dict[str, FederatedDataModule] = {}
+    modules: dict[tuple[str, bool], FederatedDataModule] = {}
 
-    def data_of(model: str) -> FederatedDataModule:
-        if model not in modules:
-            modules[model] = FederatedDataModule(**(DRY_DATA if args.dry_run else DATA), **GLOBAL_DATA, **HOLDOUT,
-                                                 **MODEL_DATA.get(model, {}))
-            modules[model].setup()
-        return modules[model]
+    def data_of(model: str, central: bool) -> FederatedDataModule:
+        if (model, central) not in modules:
+            data = {**(DRY_DATA if args.dry_run else DATA), **(CENTRAL if central else {})}
+            modules[model, central] = FederatedDataModule(**data, **GLOBAL_DATA, **HOLDOUT, **MODEL_DATA.get(model, {}))
+            modules[model, central].setup()
+        return modules[model, central]
 
     rows: dict[str, dict] = {}
     chosen: dict[str, float] = {}
     for name in args.runs:
-        rows[name] = tuned(entry(name), args, data_of(name.split("/")[0]), chosen)
+        model = name.split("/")[0]
+        rows[name] = tuned(entry(name), args, data_of(model, name.endswith("/central")), chosen)
         print(f"{name:<18} test {percent(rows[name]['acc'])} after {rows[name]['rounds']} rounds "
               f"({time.perf_counter() - start:.0f} s so far)", flush=True)
         how = f"whole benchmark {time.perf_counter() - start:.0f} s"

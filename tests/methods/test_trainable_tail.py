@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from tests.conftest import relative_error
 from tests.methods.conftest import fake_images
 from workbench.backbones import build_backbone
-from workbench.backbones.tail import build_tail, parameter_count, with_tail_input
+from workbench.backbones.tail import MatmulConv2d, build_tail, parameter_count, with_tail_input
 from workbench.data import FederatedDataModule
 from workbench.engines import LightningEngine
 from workbench.federation.local_training import LocalTraining
@@ -138,3 +138,65 @@ def test_the_synthetic_tail_is_seeded_and_pure():
     assert all(torch.equal(x, y) for x, y in zip(a.tail.state_dict().values(), b.tail.state_dict().values(),
                                                  strict=True))
     assert a.tail(a.train_features).shape == (len(a.train_labels), 8)
+
+
+CONVOLUTIONS = {  # (in, out, kernel, stride, padding, dilation, groups, bias) at an input size
+    "pointwise": ((6, 5, 1, 1, 0, 1, 1, False), 3),
+    "dense 3x3, stride 2, bias": ((4, 6, 3, 2, 1, 1, 1, True), 5),
+    "pointwise, stride 2": ((4, 3, 1, 2, 0, 1, 1, False), 4),
+    "depthwise 3x3": ((6, 6, 3, 1, 1, 1, 6, False), 2),
+    "depthwise 5x5, stride 2": ((6, 6, 5, 2, 2, 1, 6, True), 7),
+    "dilated 3x3": ((3, 4, 3, 1, 2, 2, 1, False), 6),
+}
+
+
+@pytest.mark.parametrize("case", list(CONVOLUTIONS))
+def test_the_matmul_convolution_is_the_convolution(case):
+    (c_in, c_out, kernel, stride, padding, dilation, groups, bias), size = CONVOLUTIONS[case]
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(c_in, c_out, kernel, stride, padding, dilation, groups, bias).double()
+    products = MatmulConv2d(conv)
+    assert dict(products.named_parameters()).keys() == dict(conv.named_parameters()).keys()
+    x = torch.randn(3, c_in, size, size, dtype=torch.float64, requires_grad=True)
+    expected, got = conv(x), products(x)
+    assert got.shape == expected.shape and relative_error(got.detach(), expected.detach()) < 1e-12
+    upstream = torch.randn_like(expected)
+    wrt = [x, *conv.parameters()]
+    for g, e in zip(torch.autograd.grad(got, wrt, upstream), torch.autograd.grad(expected, wrt, upstream), strict=True):
+        assert relative_error(g, e) < 1e-12
+
+
+def test_the_matmul_convolution_takes_timms_same_padding():
+    from timm.layers import Conv2dSame
+
+    torch.manual_seed(0)
+    conv = Conv2dSame(5, 5, 3, stride=2, groups=5).double()  # the tf_ EfficientNets' depthwise stride-2
+    x = torch.randn(2, 5, 5, 5, dtype=torch.float64)
+    assert relative_error(MatmulConv2d(conv)(x), conv(x)) < 1e-12
+    with pytest.raises(ValueError, match="dense or depthwise"):
+        MatmulConv2d(torch.nn.Conv2d(4, 4, 3, groups=2))
+
+
+@pytest.mark.parametrize("name", list(SIZES))
+def test_every_clients_tail_gradient_under_vmap_is_its_own(name):
+    """Local SGD takes all clients' steps at once (vmap over the client axis): each client's
+    gradient is the one autograd gives it alone."""
+    backbone = with_random_statistics(build_backbone(name, pretrained=False, input_size=SIZES[name]))
+    tail = build_tail(backbone, 1)
+    assert not any(type(m) is torch.nn.Conv2d for m in tail.modules())
+    model = torch.nn.Sequential(tail, torch.nn.Linear(backbone.feature_dim, 10))
+    gen = torch.Generator().manual_seed(0)
+    clients, batch = 4, 8
+    params = {k: v.detach() + 0.01 * torch.randn((clients, *v.shape), generator=gen)
+              for k, v in model.named_parameters()}
+    x = torch.randn(clients, batch, *MAPS[name][1], generator=gen)
+    y = torch.randint(0, 10, (clients, batch), generator=gen)
+
+    def loss(p, x, y):
+        return F.cross_entropy(torch.func.functional_call(model, p, (x,)), y)
+
+    together = torch.func.vmap(torch.func.grad(loss))(params, x, y)
+    for k in range(clients):
+        alone = torch.func.grad(loss)({key: value[k] for key, value in params.items()}, x[k], y[k])
+        for key in params:
+            assert relative_error(together[key][k], alone[key]) < 1e-5, (k, key)

@@ -17,6 +17,12 @@ t = β − μ·s, both trainable: the tail has no batch statistics, so it is a p
 (parameters, input), as `torch.func.vmap` (local SGD of many clients at once) and the double
 backprop of OS-FED's snapshot fit need, and Lightning's `train()` cannot change it. Activations
 are made out-of-place (in-place ReLU6 on a vmapped tensor is not safe to differentiate twice).
+Every convolution is computed as matrix products (`MatmulConv2d`, the same parameters): under
+vmap a convolution becomes a grouped one with a group per client, whose backward is slow on a
+CPU, while a product stays a batched matmul (benchmarks/tail_step.py: 1.6–2.2× a step). Known and
+not yet explained: in float32 with several clients under vmap, the lowest layers' gradients
+differ from float64's by up to 2e-3 relative (nn.Conv2d's: 3e-7); one client alone, or each
+convolution alone under vmap, is within 5e-7, and float64 is exact to 1e-15.
 
 The `synthetic` dataset has a tail of its own (`synthetic_tail`): the blobs as (dim, 1, 1) maps
 and k seeded pointwise stages (1×1 convolution, per-channel affine, ReLU), then the pool; for the
@@ -26,8 +32,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from workbench.backbones.base import Backbone, seeded
@@ -48,6 +56,58 @@ class ChannelAffine(nn.Module):
         return self.act(x * self.scale[:, None, None] + self.shift[:, None, None])
 
 
+@functools.cache
+def tap_selection(size: tuple[int, int], kernel: tuple[int, int], stride: tuple[int, int],
+                  padding: tuple[int, int], dilation: tuple[int, int]) -> Tensor:
+    """S (taps, output positions, input positions), S[t, p, q] = 1 where tap t of output p reads
+    input q (0 where it reads the zero padding): a convolution is Σ_t W_t · (x S_tᵀ)."""
+    positions = size[0] * size[1]
+    one_hots = torch.eye(positions).view(positions, 1, *size)
+    return F.unfold(one_hots, kernel, dilation, padding, stride).permute(1, 2, 0).contiguous()
+
+
+class MatmulConv2d(nn.Module):
+    """A Conv2d (its `weight` and `bias`; zero padding, or timm's TF "same" padding) computed by
+    matrix products: 1×1 at stride 1 as W x; otherwise through `tap_selection` — a dense
+    convolution as W times the taps' columns, a depthwise one as each channel's (output × input
+    positions) matrix Σ_t w_{c,t} S_t. Meant for the small maps of a tail (S is (k², HW_out, HW_in))."""
+
+    def __init__(self, conv: nn.Conv2d) -> None:
+        from timm.layers import Conv2dSame
+
+        super().__init__()
+        self.depthwise = conv.groups > 1 and conv.groups == conv.in_channels == conv.out_channels
+        if conv.padding_mode != "zeros" or isinstance(conv.padding, str) or not (conv.groups == 1 or self.depthwise):
+            raise ValueError(f"MatmulConv2d takes dense or depthwise convolutions with numeric zero padding, "
+                             f"not {conv}")
+        self.weight, self.bias = conv.weight, conv.bias
+        self.geometry = (tuple(conv.kernel_size), tuple(conv.stride), tuple(conv.padding), tuple(conv.dilation))
+        self.same = isinstance(conv, Conv2dSame)  # padded as the input's size needs, at every call
+
+    def forward(self, x: Tensor) -> Tensor:
+        kernel, stride, padding, dilation = self.geometry
+        if self.same:
+            from timm.layers import pad_same
+
+            x = pad_same(x, list(kernel), list(stride), list(dilation))
+        n, _, h, w = x.shape
+        out_h = (h + 2 * padding[0] - dilation[0] * (kernel[0] - 1) - 1) // stride[0] + 1
+        out_w = (w + 2 * padding[1] - dilation[1] * (kernel[1] - 1) - 1) // stride[1] + 1
+        flat = x.flatten(2)  # (n, c, HW)
+        if self.geometry == ((1, 1), (1, 1), (0, 0), (1, 1)) and not self.depthwise:
+            y = torch.matmul(self.weight.flatten(1), flat)
+        else:
+            taps = tap_selection((h, w), *self.geometry).to(x)
+            if self.depthwise:
+                per_channel = torch.einsum("ct,tpq->cpq", self.weight.flatten(1), taps)
+                y = torch.einsum("ncq,cpq->ncp", flat, per_channel)
+            else:
+                columns = torch.einsum("ncq,tpq->nctp", flat, taps).flatten(1, 2)  # unfold's order
+                y = torch.matmul(self.weight.flatten(1), columns)
+        y = y.reshape(n, -1, out_h, out_w)
+        return y if self.bias is None else y + self.bias[:, None, None]
+
+
 @torch.no_grad()
 def fold_batchnorm(bn: nn.BatchNorm2d) -> ChannelAffine:
     """The BatchNorm at its running statistics as a trainable per-channel affine (timm's
@@ -66,11 +126,16 @@ def fold_batchnorm(bn: nn.BatchNorm2d) -> ChannelAffine:
 
 
 def make_pure(module: nn.Module) -> nn.Module:
-    """In place: every BatchNorm2d folded (`fold_batchnorm`), every activation out-of-place, all
-    parameters trainable; ValueError if something with train-mode behaviour is left."""
+    """In place: every BatchNorm2d folded (`fold_batchnorm`), every Conv2d a `MatmulConv2d`, every
+    activation out-of-place, all parameters trainable; ValueError if something with train-mode
+    behaviour is left."""
+    from timm.layers import Conv2dSame
+
     for name, child in list(module.named_children()):
         if isinstance(child, nn.BatchNorm2d):
             setattr(module, name, fold_batchnorm(child))
+        elif isinstance(child, nn.Conv2d) and type(child) in (nn.Conv2d, Conv2dSame):  # other kinds stay as they are
+            setattr(module, name, MatmulConv2d(child))
         else:
             make_pure(child)
     for sub in module.modules():
@@ -187,7 +252,7 @@ def synthetic_tail(dim: int, stages: int, seed: int) -> nn.Sequential:
     with seeded(seed):
         layers: list[nn.Module] = []
         for _ in range(stages):
-            conv = nn.Conv2d(dim, dim, 1, bias=False)
+            conv = MatmulConv2d(nn.Conv2d(dim, dim, 1, bias=False))
             scale, shift = 1 + 0.1 * torch.randn(dim), 0.1 * torch.randn(dim)
             layers += [conv, ChannelAffine(scale, shift, nn.ReLU())]
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten())
