@@ -163,7 +163,7 @@ def test_the_matmul_convolution_is_the_convolution(case):
     upstream = torch.randn_like(expected)
     wrt = [x, *conv.parameters()]
     for g, e in zip(torch.autograd.grad(got, wrt, upstream), torch.autograd.grad(expected, wrt, upstream), strict=True):
-        assert relative_error(g, e) < 1e-12
+        assert relative_error(g.detach(), e.detach()) < 1e-12
 
 
 def test_the_matmul_convolution_takes_timms_same_padding():

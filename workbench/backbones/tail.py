@@ -19,10 +19,11 @@ backprop of OS-FED's snapshot fit need, and Lightning's `train()` cannot change 
 are made out-of-place (in-place ReLU6 on a vmapped tensor is not safe to differentiate twice).
 Every convolution is computed as matrix products (`MatmulConv2d`, the same parameters): under
 vmap a convolution becomes a grouped one with a group per client, whose backward is slow on a
-CPU, while a product stays a batched matmul (benchmarks/tail_step.py: 1.6–2.2× a step). Known and
-not yet explained: in float32 with several clients under vmap, the lowest layers' gradients
-differ from float64's by up to 2e-3 relative (nn.Conv2d's: 3e-7); one client alone, or each
-convolution alone under vmap, is within 5e-7, and float64 is exact to 1e-15.
+CPU, while a product stays a batched matmul (benchmarks/tail_step.py: 1.8–2.7× a step). The two
+agree to 1e-15 in float64. In float32 either form's gradients are within 5e-7 of float64's,
+except for a client with a ReLU6 input within rounding of a kink (0 or 6): its mask can flip and
+move that client's gradient by up to 2e-2 (7 of 100 clients in that benchmark, 4 in the
+convolutions' form, 4 in the products', one in both).
 
 The `synthetic` dataset has a tail of its own (`synthetic_tail`): the blobs as (dim, 1, 1) maps
 and k seeded pointwise stages (1×1 convolution, per-channel affine, ReLU), then the pool; for the
