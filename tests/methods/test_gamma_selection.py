@@ -7,8 +7,9 @@ import torch
 
 from tests.methods.conftest import fit_rounds
 from workbench.data import FederatedDataModule, SyntheticBlobs
+from workbench.engines import LightningEngine
 from workbench.engines.local import LocalClients
-from workbench.methods import AFL, Problem
+from workbench.methods import AFL, Problem, SAFLe
 from workbench.methods.ridge_selection import (
     checked_grid,
     choose_gamma,
@@ -121,3 +122,19 @@ def test_bad_grids_are_rejected(grid):
 def test_bad_holdout_fraction_is_rejected():
     with pytest.raises(ValueError, match="holdout_fraction"):
         AFL(gamma_grid=GRID, holdout_fraction=0.0)
+
+
+@pytest.mark.parametrize("make", [lambda grid: AFL(gamma_grid=grid), lambda grid: SAFLe(gamma_grid=grid)],
+                         ids=["AFL", "SAFLe"])
+def test_data_with_no_holdout_row_is_refused_before_the_fit(make):
+    """Too few rows of each class on every client to hold one out: refused by the engine's check
+    (before a run folder exists), not half-way through the fit; the count is the draw's own."""
+    tiny = FederatedDataModule(dataset="synthetic", min_partition_size=1, partition="iid", num_clients=4,
+                               synthetic=SyntheticBlobs(num_classes=6, dim=8, train_size=24, test_size=12, seed=0))
+    tiny.setup()
+    with pytest.raises(ValueError, match="no client holds out a row"):
+        LightningEngine(make(GRID)).check_data(tiny, fitting=True)
+    LightningEngine(make([1.0])).check_data(tiny, fitting=True)  # one γ_out: no hold-out needed
+    big = data(partition="iid", num_clients=4)
+    LightningEngine(make(GRID)).check_data(big, fitting=True)
+    assert client_holdout(big.train_labels, big.train_client_ids, torch.unique(big.train_client_ids), 0.1, 0).any()

@@ -179,6 +179,7 @@ class LightningEngine(LightningModule):
         if fitting:
             self._check_protocol()
             self._check_stopping(data)
+            self.method.check_data(data)
 
     def _check_stopping(self, data) -> None:
         if self.stopping.active and getattr(data, "val_features", None) is None:

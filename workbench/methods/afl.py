@@ -40,6 +40,7 @@ from workbench.linalg import class_sums, identity_like, solve_spd, statistics_dt
 from workbench.methods.base import SUMMED, SYMMETRIC, ClientHalf, Cohort, FederatedMethod, Metrics, Problem, Uploads
 from workbench.methods.ridge_selection import (
     SELECTION_UPLOADS,
+    check_holdout_rows,
     checked_grid,
     choose_gamma,
     client_holdout,
@@ -146,6 +147,10 @@ class AFL(FederatedMethod):
 
     def client_half(self) -> AFLClient:
         return AFLClient(self.problem, self)
+
+    def check_data(self, data) -> None:
+        if len(getattr(self, "gamma_grid", [])) > 1:  # γ_out is chosen on hold-out rows: some must exist
+            check_holdout_rows(data.train_labels, data.train_client_ids, self.holdout_fraction)
 
     def statistics_sensitivity(self, feature_norm: float) -> float | None:
         """One sample's design row [x (, 1)] has norm ≤ √(B² + bias): Δ of (XᵀX, XᵀY) as

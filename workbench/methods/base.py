@@ -265,6 +265,10 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
         """Refuse, in one error naming the fix, a protocol this method cannot run (checked before
         the run folder exists); the engine checks what holds for every method."""
 
+    def check_data(self, data) -> None:
+        """Refuse, in one error naming the fix, training data this method cannot fit (the data
+        module, set up; checked before the run folder exists)."""
+
     def statistics_sensitivity(self, feature_norm: float) -> float | None:
         """The L2 sensitivity of one round's summed statistics to one sample whose feature row has
         norm ≤ B (`federation.feature_clip`; 0: rows not clipped), for `privacy/epsilon` under

@@ -66,12 +66,23 @@ def holdout_correct(logits: Tensor, labels: Tensor) -> dict[str, Tensor]:
     return {"holdout_correct": correct, "holdout_count": logits.new_tensor(float(len(labels)))}
 
 
+NO_HOLDOUT = ("no client holds out a row for choosing γ (each holds round(holdout_fraction · class size) of "
+              "every class): raise holdout_fraction or set a single gamma_out")
+
+
+def check_holdout_rows(labels: Tensor, client_ids: Tensor, fraction: float) -> None:
+    """Before a fit: ValueError (`NO_HOLDOUT`) when `client_holdout` would hold out no row at all —
+    its count per (client, class) is round(fraction · size), whatever the seed."""
+    strata = client_ids.long() * (int(labels.max()) + 1) + labels.long() if len(labels) else labels.long()
+    if not torch.round(fraction * torch.bincount(strata)).sum() > 0:
+        raise ValueError(NO_HOLDOUT)
+
+
 def choose_gamma(grid: Sequence[float], uploads: dict[str, Tensor], prefix: str) -> tuple[float, dict[str, float]]:
     """The γ of the best pooled hold-out accuracy (the first maximum: the smaller γ) and its metrics."""
     count = float(uploads["holdout_count"])
     if not count >= 0.5:
-        raise ValueError("no client holds out a row for choosing γ (each holds round(holdout_fraction · "
-                         "class size) of every class): raise holdout_fraction or set a single gamma_out")
+        raise ValueError(NO_HOLDOUT)
     accuracy = uploads["holdout_correct"] / count
     best = int(accuracy.argmax())
     return grid[best], {f"{prefix}/gamma": grid[best], f"{prefix}/holdout_acc": float(accuracy[best])}

@@ -90,6 +90,7 @@ from workbench.methods.base import (
 )
 from workbench.methods.ridge_selection import (
     SELECTION_UPLOADS,
+    check_holdout_rows,
     checked_grid,
     choose_gamma,
     client_holdout,
@@ -447,6 +448,10 @@ class SAFLe(SparseEmbedding, FederatedMethod):
                             "ledger_rows": Upload(encoding=WireSize(0))}
         self._pending: dict | None = None  # between the solve and the select round
         self.holdout_accuracy: Tensor | None = None
+
+    def check_data(self, data) -> None:
+        if len(self.gamma_grid) > 1:  # γ_out is chosen on hold-out rows: some must exist
+            check_holdout_rows(data.train_labels, data.train_client_ids, self.holdout_fraction)
 
     @property
     def num_rounds(self) -> int:
