@@ -164,6 +164,8 @@ def test_the_matmul_convolution_is_the_convolution(case):
     wrt = [x, *conv.parameters()]
     for g, e in zip(torch.autograd.grad(got, wrt, upstream), torch.autograd.grad(expected, wrt, upstream), strict=True):
         assert relative_error(g.detach(), e.detach()) < 1e-12
+    none = x[:0].detach()  # no rows (a process whose share is empty): an empty map of the right shape
+    assert products(none).shape == conv(none).shape
 
 
 def test_the_matmul_convolution_takes_timms_same_padding():

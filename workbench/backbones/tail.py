@@ -105,7 +105,7 @@ class MatmulConv2d(nn.Module):
             else:
                 columns = torch.einsum("ncq,tpq->nctp", flat, taps).flatten(1, 2)  # unfold's order
                 y = torch.matmul(self.weight.flatten(1), columns)
-        y = y.reshape(n, -1, out_h, out_w)
+        y = y.reshape(n, self.weight.shape[0], out_h, out_w)  # (n may be 0: a process with no rows)
         return y if self.bias is None else y + self.bias[:, None, None]
 
 
