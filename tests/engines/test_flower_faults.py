@@ -20,6 +20,7 @@ from tests.engines.conftest import assert_same_state, dropping_clients
 from workbench.engines import LightningEngine
 from workbench.engines.flower.loopback import FIRST_NODE, LoopbackGrid
 from workbench.engines.flower.simulation import fit_over_grid
+from workbench.engines.flower.transport import wait_for_nodes
 from workbench.engines.flower_settings import FlowerSettings
 from workbench.federation import Federation
 from workbench.federation.local_training import LocalTraining
@@ -271,6 +272,26 @@ def test_a_clientapp_that_fails_is_an_error_naming_its_node():
 
     with pytest.raises(RuntimeError, match=rf"the ClientApp on SuperNode {FIRST_NODE + 1} failed \(train\): boom"):
         over_grid(fedavg, FailingGrid(3))
+
+
+class ChangingGrid:
+    """A grid whose connected node ids go through `views`, one call each (the last one stays)."""
+
+    def __init__(self, *views) -> None:
+        self.views = list(views)
+
+    def get_node_ids(self):
+        return self.views.pop(0) if len(self.views) > 1 else self.views[0]
+
+
+def test_a_stopped_node_still_counted_is_waited_out_and_too_many_nodes_fail_at_the_deadline():
+    # a killed SuperNode counts until its heartbeats lapse: 4 nodes for 3 clients, then 3
+    assert wait_for_nodes(ChangingGrid([1, 2, 3, 4], [1, 2, 3, 4], [2, 3, 4]), 3, timeout_s=5) == [2, 3, 4]
+    assert wait_for_nodes(ChangingGrid([1], [3, 1, 2]), 3, timeout_s=5) == [1, 2, 3]
+    with pytest.raises(ValueError, match=r"4 SuperNodes stayed connected for 0 s but the run has 3 clients"):
+        wait_for_nodes(ChangingGrid([1, 2, 3, 4]), 3, timeout_s=0.2)
+    with pytest.raises(TimeoutError, match=r"2 of 3 SuperNodes connected within 0 s"):
+        wait_for_nodes(ChangingGrid([1, 2]), 3, timeout_s=0.2)
 
 
 def test_flower_settings_are_checked():

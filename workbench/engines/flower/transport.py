@@ -63,17 +63,20 @@ class FlowerTraffic:
 
 
 def wait_for_nodes(grid: Grid, count: int, timeout_s: float) -> list[int]:
-    """The ids of exactly `count` connected SuperNodes, waiting up to `timeout_s` for them."""
+    """The ids of exactly `count` connected SuperNodes, waiting up to `timeout_s` for them.
+
+    More than `count` may be connected for a while: a SuperNode that stopped counts until its
+    heartbeats lapse (Flower: about two of its 30 s intervals), e.g. just after nodes restart."""
     deadline = time.monotonic() + timeout_s
-    while len(nodes := sorted(grid.get_node_ids())) < count:
+    while len(nodes := sorted(grid.get_node_ids())) != count:
         if time.monotonic() > deadline:
+            if len(nodes) > count:
+                raise ValueError(f"{len(nodes)} SuperNodes stayed connected for {timeout_s:.0f} s but the run "
+                                 f"has {count} clients: start exactly one SuperNode per client")
             raise TimeoutError(
                 f"{len(nodes)} of {count} SuperNodes connected within {timeout_s:.0f} s: start one "
                 f"flower-supernode per client, with --node-config 'partition-id=k num-partitions={count}'")
         time.sleep(0.1)
-    if len(nodes) > count:
-        raise ValueError(f"{len(nodes)} SuperNodes are connected but the run has {count} clients: "
-                         "start exactly one SuperNode per client")
     return nodes
 
 
