@@ -18,6 +18,7 @@ from workbench.federation.messages import SEED_BYTES, messages_bytes
 from workbench.federation.privacy import clip_features
 from workbench.methods import DeepAFL, Problem
 from workbench.methods.deepafl import (
+    ResidualNetwork,
     omega_from_factors,
     random_layer,
     solve_omega,
@@ -280,7 +281,7 @@ def test_the_factored_broadcast_gives_the_dense_broadcasts_model(monkeypatch, fi
     for factored in (True, False):
         with monkeypatch.context() as patch:
             if not factored:  # the dense broadcast of every Ω_t
-                patch.setattr(DeepAFL, "factored", property(lambda self: False))
+                patch.setattr(ResidualNetwork, "factored", property(lambda self: False))  # both halves
             method = DeepAFL(num_layers=num_layers, schedule=schedule, seed=2, **SMALL)
             engine = fit_method(method, dm, federation)
             assert method.factored == factored
@@ -521,15 +522,17 @@ def test_a_round_costs_one_layer_and_a_client_without_its_cache_rebuilds_it(monk
         layer = round_index if fused else (round_index + 1) // 2
         assert blocks == ([] if round_index == 0 else [layer]), round_index
         if round_index == (2 if fused else 4):  # a client whose process restarted: its saved state only
-            rebuilt = DeepAFL(num_layers=3, schedule=schedule, **SMALL)
-            rebuilt.setup(method.problem)
-            fresh = local_clients(rebuilt, dm)
             state = clients.half.state_dict()
-            assert set(state) == {"omega"}
-            fresh.half.load_state_dict(state)
-            again, _ = fresh.half.client_update(round_index, broadcast, fresh.data)
-            for name in uploads:
-                assert relative_error(again[name], uploads[name]) <= 1e-8, name
+            assert set(state) == {"omega", "omega_left", "omega_right"}
+            before_factors = {"omega": state["omega"]}  # a state saved before the factors were kept
+            for saved in (state, before_factors):
+                rebuilt = DeepAFL(num_layers=3, schedule=schedule, **SMALL)
+                rebuilt.setup(method.problem)
+                fresh = local_clients(rebuilt, dm)
+                fresh.half.load_state_dict(saved)
+                again, _ = fresh.half.client_update(round_index, broadcast, fresh.data)
+                for name in uploads:
+                    assert relative_error(again[name], uploads[name]) <= 1e-8, name
         method.finish_round(uploads, 1)
     if fused:  # Ω_T reaches the clients with the final broadcast
         clients.half.finish(method.final_broadcast(), clients.data)
