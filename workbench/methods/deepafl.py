@@ -295,12 +295,20 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
     def _previous_features(self, part: Cohort, depth: int, kept: bool) -> Tensor:
         """Φ_depth of the rows: from the cache (`kept`: it holds them all), or rebuilt from the
         received Ω."""
-        rows = part.sample_index.to(self.phi.device)
+        rows = self._rows(part)
         if kept:
             return self.phi[rows]
         return self._keep(rows, self.features_at_depth(part.features, depth), depth)
 
-    def _keep(self, rows: Tensor, phi: Tensor, depth: int) -> Tensor:
+    def _rows(self, part: Cohort) -> Tensor | slice:
+        """The rows of `part` in the per-sample caches: a slice where they are consecutive (a whole
+        cohort's chunks are), whose reads are views and writes in place, not gathered copies."""
+        rows = part.sample_index.to(self.phi.device)
+        if len(rows) and bool((rows.diff() == 1).all()):
+            return slice(int(rows[0]), int(rows[0]) + len(rows))
+        return rows
+
+    def _keep(self, rows: Tensor | slice, phi: Tensor, depth: int) -> Tensor:
         self.phi[rows] = phi
         self.phi_depth[rows] = depth
         return phi
@@ -334,7 +342,7 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
     def _fused_previous(self, part: Cohort, layer: int, sources: tuple[bool, bool]) -> Tensor:
         """Φ_{t−1} for round t = `layer` of the fused schedule: kept; or Φ_{t−2} + F_{t−1}Ω_{t−1} from
         the kept Φ_{t−2} and F_{t−1} (one product, F not recomputed); or rebuilt from the samples."""
-        rows = part.sample_index.to(self.phi.device)
+        rows = self._rows(part)
         depth = layer - 1
         kept, one_back = sources
         if kept:
@@ -357,7 +365,7 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
         hidden_labels = self.omega.new_zeros(f, classes)
         gram, cross = (self.omega.new_zeros(h, h), self.omega.new_zeros(h, classes)) if restate else (None, None)
         for part, sources in zip(cohort.batches(), self._fused_sources(cohort, layer), strict=True):
-            rows = part.sample_index.to(self.phi.device)
+            rows = self._rows(part)
             phi = self._fused_previous(part, layer, sources)
             hidden = self.block_features(phi, layer)  # F_t, computed once
             self.hidden[rows] = hidden
@@ -399,7 +407,7 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
                 cohort.holds_per_batch(self.phi_depth[cohort.sample_index.to(self.phi.device)] == layer - 1))
         for part, (part_kept,) in zip(cohort.batches(), kept, strict=False):  # round 0: `kept` repeats
             if round_index == 0:
-                phi = self._keep(part.sample_index.to(self.phi.device), self.input_features(part.features), 0)
+                phi = self._keep(self._rows(part), self.input_features(part.features), 0)
             else:
                 phi_previous = self._previous_features(part, layer - 1, part_kept)
                 hidden = self.block_features(phi_previous, layer)
@@ -407,7 +415,7 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
                     gram += hidden.T @ hidden
                     cross += class_sums(hidden, part.labels, classes) - hidden.T @ (phi_previous @ classifier)
                     continue
-                phi = self._keep(part.sample_index.to(self.phi.device), self.advance(phi_previous, hidden, layer),
+                phi = self._keep(self._rows(part), self.advance(phi_previous, hidden, layer),
                                  layer)
             gram += phi.T @ phi
             cross += class_sums(phi, part.labels, classes)
