@@ -42,6 +42,20 @@ def class_sums(features: Tensor, labels: Tensor, num_classes: int) -> Tensor:
     return sums.index_add_(0, labels, features).T
 
 
+def add_gram_(gram: Tensor, x: Tensor) -> Tensor:
+    """`gram += xᵀx` for a symmetric `gram` (d, d) and x (n, d), in place: of its 2×2 blocks the
+    upper three are multiplied and the lower one mirrored (3/4 of the products)."""
+    k = x.shape[1] // 2
+    if k < 128:  # small: one product is faster than three
+        return gram.addmm_(x.T, x)
+    left, right = x[:, :k], x[:, k:]
+    gram[:k, :k].addmm_(left.T, left)
+    gram[:k, k:].addmm_(left.T, right)
+    gram[k:, k:].addmm_(right.T, right)
+    gram[k:, :k] = gram[:k, k:].T
+    return gram
+
+
 def counts_of(index: Tensor, size: int, dtype: torch.dtype = torch.long) -> Tensor:
     """`torch.bincount(index, minlength=size)` for indices that lie in [0, size) (the callers' invariant;
     outside it CUDA stops with a device-side assert): a scatter, which never waits for the device

@@ -16,6 +16,7 @@ from workbench.engines.local import LocalClients
 from workbench.federation import Federation
 from workbench.federation.messages import SEED_BYTES, messages_bytes
 from workbench.federation.privacy import clip_features
+from workbench.linalg import add_gram_
 from workbench.methods import DeepAFL, Problem
 from workbench.methods.deepafl import (
     ResidualNetwork,
@@ -652,3 +653,13 @@ def test_the_depth_curve_scores_the_test_split_as_the_test_pass_does_under_featu
     expected = float((method(clipped).argmax(1) == dm.test_labels).double().mean())
     assert method.depth_accuracy[-1] == pytest.approx(expected, abs=1e-12)
     assert expected != pytest.approx(float((method(dm.test_features).argmax(1) == dm.test_labels).double().mean()))
+
+
+@pytest.mark.parametrize("width", [7, 300, 301])
+def test_a_gram_added_by_its_upper_blocks_is_the_full_product(width):
+    x = torch.randn(500, width, dtype=torch.float64, generator=torch.Generator().manual_seed(width))
+    start = torch.randn(width, width, dtype=torch.float64)
+    start = start + start.T
+    gram = add_gram_(start.clone(), x)
+    torch.testing.assert_close(gram, start + x.T @ x, rtol=1e-12, atol=1e-10)
+    torch.testing.assert_close(gram, gram.T, rtol=1e-12, atol=1e-10)

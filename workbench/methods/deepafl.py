@@ -103,7 +103,7 @@ import torch
 import torch.nn.functional as nnf
 from torch import Tensor, nn
 
-from workbench.linalg import class_sums, identity_like, solve_spd, statistics_dtype, stream_generator
+from workbench.linalg import add_gram_, class_sums, identity_like, solve_spd, statistics_dtype, stream_generator
 from workbench.methods.base import (
     SUMMED,
     SYMMETRIC,
@@ -370,11 +370,11 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
             hidden = self.block_features(phi, layer)  # F_t, computed once
             self.hidden[rows] = hidden
             self.hidden_layer[rows] = layer
-            hidden_gram += hidden.T @ hidden
-            mixed += phi.T @ hidden
+            add_gram_(hidden_gram, hidden)
+            mixed.addmm_(phi.T, hidden)
             hidden_labels += class_sums(hidden, part.labels, classes)
             if restate:
-                gram += phi.T @ phi
+                add_gram_(gram, phi)
                 cross += class_sums(phi, part.labels, classes)
         # FᵀY, not FᵀR = FᵀY − MᵀW_{t−1}: the server forms FᵀR from M (same bytes), and what one
         # sample adds to the uploads is then bounded without W_{t−1} (`statistics_sensitivity`)
@@ -412,12 +412,12 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
                 phi_previous = self._previous_features(part, layer - 1, part_kept)
                 hidden = self.block_features(phi_previous, layer)
                 if solves_omega:  # FᵀF and FᵀR with R = Y − Φ_{t−1} W_{t−1}
-                    gram += hidden.T @ hidden
+                    add_gram_(gram, hidden)
                     cross += class_sums(hidden, part.labels, classes) - hidden.T @ (phi_previous @ classifier)
                     continue
                 phi = self._keep(self._rows(part), self.advance(phi_previous, hidden, layer),
                                  layer)
-            gram += phi.T @ phi
+            add_gram_(gram, phi)
             cross += class_sums(phi, part.labels, classes)
         if solves_omega:
             return {"hidden_gram": gram, "hidden_residual": cross}, {}
