@@ -59,9 +59,7 @@ STARTS = {"FedAvg": None, "AFL+FT": AFL_START,
           "FedNCM+FT": {"method": "FedNCM", "settings": {"temperature": 1.0}},
           "AFL+FT-fixed": {**AFL_START, "fixed_head": True}, "central": None}
 OPT_IN = ("AFL+FT-fixed", "central")  # run when named (--runs)
-#: `central`: not a federated run but its reference, FedAvg with one client holding every client's
-#: training rows (plain minibatch SGD, a round an epoch, the same rates, hold-out and rule)
-CENTRAL = {"num_clients": 1, "partition": "iid"}
+CENTRAL = {"num_clients": 1, "partition": "iid"}  # `central`'s data: one client holds every training row
 MODELS = {"head": {"architecture": "linear"}, "mlp": {"architecture": "mlp", "hidden_dim": 64},
           "tail": {"architecture": "tail"}}
 #: the data settings of a model beside the suite's: `tail` trains EfficientNet-Lite0's last stage

@@ -448,6 +448,17 @@ def describe(client_ids: np.ndarray, labels: np.ndarray, num_partitions: int) ->
     }
 
 
+def holdout_strata(labels: Tensor, groups: Tensor | None = None) -> Tensor:
+    """Each sample's stratum of `stratified_holdout`, its (group, class) as one int64 key: (n,)."""
+    labels = labels.long()
+    return labels if groups is None or not len(labels) else groups.long() * (int(labels.max()) + 1) + labels
+
+
+def holdout_sizes(labels: Tensor, fraction: float, groups: Tensor | None = None) -> Tensor:
+    """How many rows `stratified_holdout` holds out of each stratum: round(fraction · size), whatever the seed."""
+    return torch.round(fraction * torch.bincount(holdout_strata(labels, groups)))
+
+
 def stratified_holdout(labels: Tensor, fraction: float, seed: int, groups: Tensor | None = None) -> Tensor:
     """A seeded boolean mask (n,) holding out round(fraction · size) of every class of every group.
 
@@ -455,7 +466,7 @@ def stratified_holdout(labels: Tensor, fraction: float, seed: int, groups: Tenso
         means one group. Vectorized: a random order, stably sorted by (group, class), ranks
         each sample inside its stratum.
     """
-    strata = labels if groups is None else groups * (int(labels.max()) + 1) + labels
+    strata = holdout_strata(labels, groups)
     shuffled = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
     order = shuffled[torch.argsort(strata[shuffled], stable=True)]
     sizes = torch.bincount(strata)

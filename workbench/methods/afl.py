@@ -149,8 +149,7 @@ class AFL(FederatedMethod):
         return AFLClient(self.problem, self)
 
     def check_data(self, data) -> None:
-        if len(getattr(self, "gamma_grid", [])) > 1:  # γ_out is chosen on hold-out rows: some must exist
-            check_holdout_rows(data.train_labels, data.train_client_ids, self.holdout_fraction)
+        check_holdout_rows(self, data)
 
     def statistics_sensitivity(self, feature_norm: float) -> float | None:
         """One sample's design row [x (, 1)] has norm ≤ √(B² + bias): Δ of (XᵀX, XᵀY) as

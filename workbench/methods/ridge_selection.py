@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from workbench.data.partition import stratified_holdout
+from workbench.data.partition import holdout_sizes, stratified_holdout
 from workbench.linalg import counts_of
 from workbench.methods.base import SUMMED, SYMMETRIC
 
@@ -70,11 +70,11 @@ NO_HOLDOUT = ("no client holds out a row for choosing γ (each holds round(holdo
               "every class): raise holdout_fraction or set a single gamma_out")
 
 
-def check_holdout_rows(labels: Tensor, client_ids: Tensor, fraction: float) -> None:
-    """Before a fit: ValueError (`NO_HOLDOUT`) when `client_holdout` would hold out no row at all —
-    its count per (client, class) is round(fraction · size), whatever the seed."""
-    strata = client_ids.long() * (int(labels.max()) + 1) + labels.long() if len(labels) else labels.long()
-    if not torch.round(fraction * torch.bincount(strata)).sum() > 0:
+def check_holdout_rows(method, data) -> None:
+    """Before a fit of a method that chooses γ_out on hold-out rows (`gamma_grid` of more than one):
+    ValueError (`NO_HOLDOUT`) when `client_holdout` would hold out no row at all (`holdout_sizes`)."""
+    if len(getattr(method, "gamma_grid", ())) > 1 and \
+            not holdout_sizes(data.train_labels, method.holdout_fraction, data.train_client_ids).sum() > 0:
         raise ValueError(NO_HOLDOUT)
 
 

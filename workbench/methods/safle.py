@@ -450,8 +450,7 @@ class SAFLe(SparseEmbedding, FederatedMethod):
         self.holdout_accuracy: Tensor | None = None
 
     def check_data(self, data) -> None:
-        if len(self.gamma_grid) > 1:  # γ_out is chosen on hold-out rows: some must exist
-            check_holdout_rows(data.train_labels, data.train_client_ids, self.holdout_fraction)
+        check_holdout_rows(self, data)
 
     @property
     def num_rounds(self) -> int:
