@@ -1,8 +1,11 @@
-"""What every benchmark script shares: the machine it ran on and writing its report."""
+"""What every benchmark script shares: the machine it ran on, writing its report, and where a
+profiled run spent its time."""
 from __future__ import annotations
 
+import cProfile
 import os
 import platform
+import pstats
 from pathlib import Path
 
 import torch
@@ -42,6 +45,23 @@ def write_report(lines: list[str], out: str | Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(report + "\n")
     return out
+
+
+def hot_functions(profile: cProfile.Profile, count: int) -> list[str]:
+    """The `count` functions of a profile with the most own time (cProfile's tottime: in the function
+    itself, the tensor operators it applies included, not in the Python functions it calls), as
+    the rows of a Markdown table; paths relative to the repository or to site-packages."""
+    functions = pstats.Stats(profile).get_stats_profile().func_profiles
+    ranked = sorted(functions.items(), key=lambda item: -item[1].tottime)
+    top = [(name, function) for name, function in ranked if "_lsprof" not in name][:count]  # not the profiler's own
+    root = str(Path(__file__).resolve().parents[1]) + os.sep
+    rows = ["| function | calls | own s | with its callees s |", "|---|---|---|---|"]
+    for name, function in top:
+        where = function.file_name.removeprefix(root).split("site-packages" + os.sep)[-1]
+        place = f"`{where}:{function.line_number}` {name}" if function.line_number else name  # a built-in: no file
+        rows.append(f"| {place.replace('|', '/')} | {function.ncalls} | {function.tottime:.2f} | "
+                    f"{function.cumtime:.2f} |")
+    return rows
 
 
 def fit_engine(method, datamodule, federation=None, test: bool = True, stopping=None, eval_every: int = 1,

@@ -31,10 +31,15 @@ a quarter of it, the gradient methods' grids most of the rest.
     python benchmarks/suite.py                                   # everything
     python benchmarks/suite.py --methods AFL GH-OFL --out /tmp/suite.md
     python benchmarks/suite.py --methods AFL FedAvg --lrs 0.1 --budget 10   # a quick look
+    python benchmarks/suite.py --methods DeepAFL Ditto --profile 8 --out benchmarks/results/suite_profile.md
+
+`--profile N` runs each method under cProfile and lists under the tables its N functions with the
+most own time (cProfile's overhead included in that run's times: time the suite without it).
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import logging
 import math
 import os
@@ -49,7 +54,7 @@ from typing import Any
 os.environ.setdefault("WANDB_MODE", "disabled")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import fit_engine, load_average, machine_line, write_report
+from benchmarks.common import fit_engine, hot_functions, load_average, machine_line, write_report
 from workbench.data import FederatedDataModule
 from workbench.engines.stopping import Stopping
 from workbench.federation.compression import Compression, ErrorFeedback
@@ -223,6 +228,8 @@ def main() -> None:
                              f"(default {PATIENCE})")
     parser.add_argument("--out", default="benchmarks/results/suite.md")
     parser.add_argument("--note", default="", help="a line added under the table (e.g. what else ran)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="profile each method (cProfile) and list its N functions with the most own time")
     args = parser.parse_args()
     for notice in (".*configure_optimizers.* returned `None`", ".*does not have many workers",
                    ".*Total length of .* across ranks is zero", ".*LeafSpec.*", ".*GPU available.*",
@@ -235,6 +242,7 @@ def main() -> None:
     modules: dict[tuple[str, bool], FederatedDataModule] = {}
     rows: list[dict] = []
     chosen_rates: dict[str, float] = {}
+    profiles: dict[str, list[str]] = {}  # method -> the rows of its hot functions (--profile)
     chosen = [entry for entry in METHODS if entry.name in args.methods]
     for done, entry in enumerate(chosen, 1):
         key = (entry.protocol, entry.on_holdouts)
@@ -243,8 +251,14 @@ def main() -> None:
             modules[key] = FederatedDataModule(**DATA, **DATA_OF[key])
             modules[key].setup()
             data_s += time.perf_counter() - setup_start
+        profile = cProfile.Profile() if args.profile else None
+        if profile:
+            profile.enable()
         new = ([tuned(entry, args, modules[key], chosen_rates)] if entry.tune else
                run(entry, entry.setting, entry.make(None, None), modules[key]))
+        if profile:
+            profile.disable()
+            profiles[entry.name] = hot_functions(profile, args.profile)
         for row in new:
             rows.append(row)
             print(f"{row['method']:<28} acc {percent(row['acc']):>6}  personal {percent(row['personal']):>6}  "
@@ -254,10 +268,11 @@ def main() -> None:
         finished = "" if done == len(chosen) else f", partial: {done} of {len(chosen)} methods"
         how = (f"whole suite {time.perf_counter() - start:.0f} s, {data_s:.0f} s of it setting up the data "
                f"(the features read from the cache, or extracted into it){finished}")
-        write_report(report_lines(rows, args, machine_line(how, load_start)), args.out)
+        write_report(report_lines(rows, args, machine_line(how, load_start), profiles), args.out)
 
 
-def report_lines(rows: list[dict], args: argparse.Namespace, machine: str) -> list[str]:
+def report_lines(rows: list[dict], args: argparse.Namespace, machine: str,
+                 profiles: dict[str, list[str]]) -> list[str]:
     lines = [
         "# Every method once: Fashion-MNIST, K = 100, Dirichlet α = 0.1",
         "",
@@ -304,6 +319,12 @@ def report_lines(rows: list[dict], args: argparse.Namespace, machine: str) -> li
               "gradient method's grid together (CPU seconds of this process, all threads): " +
               ", ".join(f"{r['method']} {r['wall_s']:.0f} ({r['cpu_s']:.0f})"
                         for r in sorted(fits, key=lambda r: -r["wall_s"])) + ".", ""]
+    if profiles:
+        lines += [f"Inside each method, its {args.profile} functions with the most own time (cProfile: time in the "
+                  "function itself, the tensor operators it applies included, not in the Python functions it "
+                  "calls; under the profiler, so the times above include its overhead):", ""]
+        for name, table in profiles.items():
+            lines += [f"**{name}**", "", *table, ""]
     if args.note:
         lines += [args.note, ""]
     lines.append(machine)
