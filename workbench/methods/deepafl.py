@@ -302,11 +302,12 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
 
     def _rows(self, part: Cohort) -> Tensor | slice:
         """The rows of `part` in the per-sample caches: a slice where they are consecutive (a whole
-        cohort's chunks are), whose reads are views and writes in place, not gathered copies."""
-        rows = part.sample_index.to(self.phi.device)
-        if len(rows) and bool((rows.diff() == 1).all()):
+        cohort's chunks are) and known on the host (read without waiting for a device), whose reads
+        are views and writes in place, not gathered copies."""
+        rows = part.sample_index
+        if rows.device.type == "cpu" and len(rows) and bool((rows.diff() == 1).all()):
             return slice(int(rows[0]), int(rows[0]) + len(rows))
-        return rows
+        return rows.to(self.phi.device)
 
     def _keep(self, rows: Tensor | slice, phi: Tensor, depth: int) -> Tensor:
         self.phi[rows] = phi
