@@ -1,13 +1,12 @@
 """DeepAFL's two schedules on cached backbone features: fit time, its ratio to the bare matrix
 products the math needs, rounds, bytes and test accuracy by depth.
 
-Per layer t the fused clients' arithmetic is three n × h × f products (F_t = Φ_{t−1}B_t, F_tᵀF_t
-and Φ_{t−1}ᵀF_t at h = f: 3·n·h·f multiply-adds) and Φ_t = Φ_{t−1} + (F_tL_t)U_tᵀ through Ω_t's
-rank-C factors (n·C·(f + h)). "bare" times exactly those products on the same shapes and dtype, in
-this process, once per layer; the ratio is a schedule's fit time over T × bare. `two_round`
-(2T + 1 rounds) recomputes F_t in the W_t round and forms Φ_tᵀΦ_t (4 products a layer at h = f);
-`fused` (T + 1 rounds) computes F_t once and the server forms ΣΦ_tᵀΦ_t from the uploaded
-M_t = Φ_{t−1}ᵀF_t.
+Per layer t the clients' arithmetic is four n × h × f products (F_t = Φ_{t−1}B_t, F_tΩ_t, F_tᵀF_t,
+Φ_{t−1}ᵀF_t or Φ_tᵀΦ_t at h = f): 4·n·h·f multiply-adds. "bare" times exactly those four products
+on the same shapes and dtype, in this process, once per layer; the ratio is a schedule's fit time
+over T × bare. `two_round` (2T + 1 rounds) recomputes F_t in the W_t round and forms Φ_tᵀΦ_t
+(5 products a layer at h = f); `fused` (T + 1 rounds) computes F_t once and the server forms
+ΣΦ_tᵀΦ_t from the uploaded M_t = Φ_{t−1}ᵀF_t.
 
 Accuracy by depth comes from one fit of depth T: the model of depth t < T is the model a fit with
 T = t gives (each layer's random map has a seed of its own), so `--depths 5,10,20` costs one fit.
@@ -36,20 +35,19 @@ from workbench.methods import DeepAFL
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
-def bare_layer_seconds(n: int, hidden: int, block: int, rank: int, dtype: torch.dtype, repeats: int) -> float:
-    """Median seconds of one fused layer's bare products: 3·n·h·f + n·r·(f + h) multiply-adds."""
+def bare_layer_seconds(n: int, hidden: int, block: int, dtype: torch.dtype, repeats: int) -> float:
+    """Median seconds of one layer's four bare products, 4·n·h·f multiply-adds."""
     gen = torch.Generator().manual_seed(0)
     phi = torch.randn(n, hidden, generator=gen, dtype=dtype)
     weight = torch.randn(hidden, block, generator=gen, dtype=dtype) / hidden ** 0.5
-    left = torch.randn(block, rank, generator=gen, dtype=dtype) / block ** 0.5
-    right = torch.randn(hidden, rank, generator=gen, dtype=dtype) / rank ** 0.5
+    omega = torch.randn(block, hidden, generator=gen, dtype=dtype) / block ** 0.5
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         hidden_features = phi @ weight                 # F = Φ B          n·h·f
+        _ = phi + hidden_features @ omega              # Φ + F Ω          n·f·h
         _ = hidden_features.T @ hidden_features        # FᵀF              n·f·f
         _ = phi.T @ hidden_features                    # ΦᵀF              n·h·f
-        _ = phi + (hidden_features @ left) @ right.T   # Φ + (F L) Uᵀ     n·r·(f + h)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -92,7 +90,7 @@ def main() -> None:
     rows, accuracy_rows = [], []
     for dtype_name in args.dtypes.split(","):
         dtype = DTYPES[dtype_name]
-        bare = bare_layer_seconds(n, h, f, min(h, dm.num_classes), dtype, args.bare_repeats) * args.layers
+        bare = bare_layer_seconds(n, h, f, dtype, args.bare_repeats) * args.layers
         for schedule in args.schedules.split(","):
             method = DeepAFL(num_layers=args.layers, hidden_dim=h, block_dim=f, dtype=dtype_name, schedule=schedule)
             start = time.perf_counter()
@@ -112,9 +110,8 @@ def main() -> None:
         "",
         (f"Fashion-MNIST, EfficientNet-Lite0 features at 64 px (d = {d}), n = {n} training rows, "
         f"{args.num_clients} IID clients, T = {args.layers}, h = f = {h}, γ = 1, γ_s = 0.05, gelu; "
-        "in process (Lightning engine). `bare` = T × the products of one fused layer (3·n·h·f + "
-        "n·C·(f + h) multiply-adds: F = ΦB, FᵀF, ΦᵀF and Φ + (FL)Uᵀ), timed in this process on the same "
-        "shapes and dtype. "
+        "in process (Lightning engine). `bare` = T × the four n·h·f products of one layer "
+        "(4·n·h·f multiply-adds), timed in this process on the same shapes and dtype. "
         "`fit` is the engine's `time/fit_s` (rounds, server solves and the per-depth test accuracy); "
         "`client`/`server` its parts; `whole` the fit call with Lightning's setup."),
         "",
