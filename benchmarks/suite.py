@@ -324,7 +324,7 @@ def report_lines(rows: list[dict], args: argparse.Namespace, machine: str,
                   "function itself, the tensor operators it applies included, not in the Python functions it "
                   "calls; under the profiler, so the times above include its overhead):", ""]
         for name, table in profiles.items():
-            lines += [f"**{name}**", "", *table, ""]
+            lines += [f"{name}:", "", *table, ""]
     if args.note:
         lines += [args.note, ""]
     lines.append(machine)
