@@ -292,10 +292,9 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
             self.register_buffer("hidden_layer", torch.full((self.num_samples,), -1, dtype=torch.long,
                                                             device=device), persistent=False)
 
-    def _previous_features(self, part: Cohort, depth: int, kept: bool) -> Tensor:
-        """Φ_depth of the rows: from the cache (`kept`: it holds them all), or rebuilt from the
-        received Ω."""
-        rows = self._rows(part)
+    def _previous_features(self, part: Cohort, rows: Tensor | slice, depth: int, kept: bool) -> Tensor:
+        """Φ_depth of the rows (`rows`: theirs in the caches, `_rows`): from the cache (`kept`: it
+        holds them all), or rebuilt from the received Ω."""
         if kept:
             return self.phi[rows]
         return self._keep(rows, self.features_at_depth(part.features, depth), depth)
@@ -340,10 +339,10 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
         one_back = (self.phi_depth[rows] == depth - 1) & (self.hidden_layer[rows] == depth) & (depth >= 1)
         return cohort.holds_per_batch(kept, one_back)
 
-    def _fused_previous(self, part: Cohort, layer: int, sources: tuple[bool, bool]) -> Tensor:
-        """Φ_{t−1} for round t = `layer` of the fused schedule: kept; or Φ_{t−2} + F_{t−1}Ω_{t−1} from
-        the kept Φ_{t−2} and F_{t−1} (one product, F not recomputed); or rebuilt from the samples."""
-        rows = self._rows(part)
+    def _fused_previous(self, part: Cohort, rows: Tensor | slice, layer: int, sources: tuple[bool, bool]) -> Tensor:
+        """Φ_{t−1} for round t = `layer` of the fused schedule (`rows`: the chunk's in the caches): kept;
+        or Φ_{t−2} + F_{t−1}Ω_{t−1} from the kept Φ_{t−2} and F_{t−1} (one product, F not recomputed);
+        or rebuilt from the samples."""
         depth = layer - 1
         kept, one_back = sources
         if kept:
@@ -367,7 +366,7 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
         gram, cross = (self.omega.new_zeros(h, h), self.omega.new_zeros(h, classes)) if restate else (None, None)
         for part, sources in zip(cohort.batches(), self._fused_sources(cohort, layer), strict=True):
             rows = self._rows(part)
-            phi = self._fused_previous(part, layer, sources)
+            phi = self._fused_previous(part, rows, layer, sources)
             hidden = self.block_features(phi, layer)  # F_t, computed once
             self.hidden[rows] = hidden
             self.hidden_layer[rows] = layer
@@ -407,17 +406,17 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
         kept = (itertools.repeat((False,)) if round_index == 0 else  # per chunk: Φ_{t−1} kept
                 cohort.holds_per_batch(self.phi_depth[cohort.sample_index.to(self.phi.device)] == layer - 1))
         for part, (part_kept,) in zip(cohort.batches(), kept, strict=False):  # round 0: `kept` repeats
+            rows = self._rows(part)
             if round_index == 0:
-                phi = self._keep(self._rows(part), self.input_features(part.features), 0)
+                phi = self._keep(rows, self.input_features(part.features), 0)
             else:
-                phi_previous = self._previous_features(part, layer - 1, part_kept)
+                phi_previous = self._previous_features(part, rows, layer - 1, part_kept)
                 hidden = self.block_features(phi_previous, layer)
                 if solves_omega:  # FᵀF and FᵀR with R = Y − Φ_{t−1} W_{t−1}
                     add_gram_(gram, hidden)
                     cross += class_sums(hidden, part.labels, classes) - hidden.T @ (phi_previous @ classifier)
                     continue
-                phi = self._keep(self._rows(part), self.advance(phi_previous, hidden, layer),
-                                 layer)
+                phi = self._keep(rows, self.advance(phi_previous, hidden, layer), layer)
             add_gram_(gram, phi)
             cross += class_sums(phi, part.labels, classes)
         if solves_omega:
