@@ -52,7 +52,7 @@ def test_an_unknown_ghofl_head_names_the_heads(capsys, tmp_path):
 
 def test_a_misspelled_method_lists_the_methods_and_the_closest(capsys, tmp_path):
     err = refused(capsys, tmp_path / "runs", *SYNTHETIC, "--model=AFLL")
-    assert "unknown method 'AFLL'" in err and "DeepAFL, Ditto, Fed3R, FedAvg, FedAvgM, FedNCM" in err
+    assert "unknown method 'AFLL'" in err and "DeepAFL, Ditto, Fed3R, FedAdagrad, FedAdam, FedAvg, FedAvgM, FedNCM" in err
     assert "did you mean 'AFL'" in err
 
 

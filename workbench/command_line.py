@@ -18,10 +18,10 @@ from workbench.console import DEBUG_ENV, DEBUG_HINT, unknown_class_message
 
 #: the methods `--model` accepts by name, in the order `python -m workbench list` gives them.
 #: A new method goes here too: tests/test_cli_start.py compares this with `workbench.catalog.method_classes()`.
-METHODS = ("AFL", "AnaPFL", "DeepAFL", "Ditto", "Fed3R", "FedAvg", "FedAvgM", "FedNCM", "FedProx", "GHOFL",
-           "LocalOnly", "OSFED", "SAFLe", "SCAFFOLD")
+METHODS = ("AFL", "AnaPFL", "DeepAFL", "Ditto", "Fed3R", "FedAdagrad", "FedAdam", "FedAvg", "FedAvgM", "FedNCM",
+           "FedProx", "FedYogi", "GHOFL", "LocalOnly", "OSFED", "SAFLe", "SCAFFOLD")
 #: the other classes the parser finds by a short name (bases of the methods): left to it
-OTHER_METHOD_CLASSES = ("FederatedMethod", "GradientMethod")
+OTHER_METHOD_CLASSES = ("FederatedMethod", "GradientMethod", "ServerOptimizer")
 #: the choices of the top-level options that have them (`WorkbenchCLI.add_arguments_to_parser`)
 CHOICES = {"engine": ("lightning", "flower"), "wandb": ("auto", "online", "offline", "disabled")}
 #: the values of --ckpt_path that are not a file

@@ -8,11 +8,13 @@ from workbench.methods.fed3r import Fed3R
 from workbench.methods.fedavg import FedAvg, FedProx
 from workbench.methods.fedavgm import FedAvgM
 from workbench.methods.fedncm import FedNCM
+from workbench.methods.fedopt import FedAdagrad, FedAdam, FedYogi
 from workbench.methods.ghofl import GHOFL
 from workbench.methods.local_only import LocalOnly
 from workbench.methods.osfed import OSFED
 from workbench.methods.safle import SAFLe
 from workbench.methods.scaffold import SCAFFOLD
 
-__all__ = ["AFL", "GHOFL", "OSFED", "SCAFFOLD", "AnaPFL", "ClientHalf", "Cohort", "DeepAFL", "Ditto", "Fed3R", "FedAvg",
-           "FedAvgM", "FedNCM", "FedProx", "FederatedMethod", "LocalOnly", "Problem", "RoundPlan", "SAFLe", "Upload"]
+__all__ = ["AFL", "GHOFL", "OSFED", "SCAFFOLD", "AnaPFL", "ClientHalf", "Cohort", "DeepAFL", "Ditto", "Fed3R",
+           "FedAdagrad", "FedAdam", "FedAvg", "FedAvgM", "FedNCM", "FedProx", "FedYogi", "FederatedMethod", "LocalOnly",
+           "Problem", "RoundPlan", "SAFLe", "Upload"]
