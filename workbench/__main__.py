@@ -17,8 +17,8 @@ from workbench.command_line import check
 from workbench.console import COMMANDS, DEBUG_ENV, DEBUG_FLAG, print_user_error, usage, user_error
 
 # Subcommands with parsers of their own; Lightning is not imported for them.
-TOOLS = {"sweep": "workbench.sweep", "compare": "workbench.report", "list": "workbench.catalog",
-         "sync": "workbench.sync"}
+TOOLS = {"bench": "workbench.bench", "sweep": "workbench.sweep", "compare": "workbench.report",
+         "list": "workbench.catalog", "sync": "workbench.sync"}
 
 
 def main(argv: list[str] | None = None) -> int:

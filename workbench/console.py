@@ -16,6 +16,7 @@ COMMANDS = {
     "validate": "score a method on the held-out validation split (data.val_fraction > 0)",
     "test": "test a fitted model (--ckpt_path runs/<name>/version_N/model.ckpt)",
     "sweep": "run a W&B sweep file here, without the W&B server (sweeps/X.yaml)",
+    "bench": "a leaderboard: a scenario's methods × settings × seeds, tuned on hold-outs (benchmarks/scenarios/X.yaml)",
     "compare": "one HTML page comparing finished runs: table, figures, PNGs",
     "sync": "upload every offline W&B run under runs/ (wandb sync on each run's wandb/ folder)",
     "list": "the methods, datasets, backbones and partitions this install offers",

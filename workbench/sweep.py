@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
@@ -348,16 +348,22 @@ def _part_parser(part: str):
     return parser
 
 
+def build_part(part: str, config: dict[str, Any], flags: Sequence[str] = ()) -> Any:
+    """The method (`part` = model) or data module (data) of a config ({class_path, init_args}) and
+    flags, built as the command line builds it (nested settings become their classes)."""
+    parser = _part_parser(part)
+    parsed = parser.parse_args([f"--{part}={json.dumps(config)}", *flags])
+    # `instantiate_classes` became `instantiate` in jsonargparse 4.49
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
+    return instantiate(parsed)[part]
+
+
 def construction_error(part: str, config: dict[str, Any], flags: list[str]) -> str | None:
     """Build a run's method (`part` = model) or data module (data) from its resolved config and
     the run's flags: the constructor checks the hyperparameters, and nothing is loaded, set up or
     fitted. None, or why it cannot be built."""
-    parser = _part_parser(part)
     try:
-        parsed = parser.parse_args([f"--{part}={json.dumps(config)}", *flags])
-        # `instantiate_classes` became `instantiate` in jsonargparse 4.49
-        instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
-        instantiate(parsed)
+        build_part(part, config, flags)
     except Exception as error:  # whatever a constructor raises is the answer
         return error_summary(f"{type(error).__name__}: {error}".splitlines())
     return None

@@ -39,6 +39,9 @@ class ServerOptimizer(FedAvg):
         **kwargs: FedAvg's arguments (`local`, `compression`, `num_rounds`, ...).
     """
 
+    first_moment: Tensor   # m, buffers from `setup_problem`
+    second_moment: Tensor  # v
+
     def __init__(self, server_lr: float = 0.01, beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3,
                  **kwargs) -> None:
         super().__init__(server_lr=server_lr, **kwargs)

@@ -1,0 +1,225 @@
+"""Running a scenario's runs: each fit once, its record appended to `results.jsonl` as it ends.
+
+A record holds what the leaderboard needs (final and best test accuracy, the hold-out score,
+rounds, bytes, fit time, the learning curve) and the run's key (its data and method settings in
+full): a rerun skips every key already recorded as done, so an interrupted bench resumes where
+it stopped and a changed setting reruns only its runs. A run that raises is recorded as failed
+with its error and the others go on (`--retry_failed` runs the failed ones again). Each fit also
+leaves a run folder (`config.yaml`, `metrics.csv`) that `workbench compare` reads.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+import traceback
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from workbench.bench.scenario import Run, Scenario, setting_label, short
+from workbench.files import write_text_atomically
+from workbench.sweep import error_summary
+
+DATA_CLASS = "workbench.data.FederatedDataModule"
+#: Lightning's notices that say nothing about a bench run (one round per epoch, no optimizer, ...)
+QUIET = (".*configure_optimizers.* returned `None`", ".*does not have many workers", ".*LeafSpec.*",
+         ".*GPU available.*", ".*TPU available.*", ".*Total length of .* across ranks is zero",
+         ".*`max_epochs` was not set.*", ".*Experiment logs directory .* exists.*")
+
+
+def slug(text: str) -> str:
+    """A folder name for a label: `K=100 dirichlet α=0.1` -> `K=100_dirichlet_α=0.1`."""
+    return "".join(c if c.isalnum() or c in "=.-+α" else "_" for c in text).strip("_") or "default"
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a results file, in order (a line cut short by a crash is skipped)."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def latest(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each key's last record (a retried run's outcome replaces the failed one)."""
+    return {record["key"]: record for record in records}
+
+
+class DataModules:
+    """The set-up data modules of one process, one per (setting, seed): features read once."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.scenario = scenario
+        self.modules: dict[tuple[str, int], Any] = {}
+
+    def get(self, run: Run):
+        from workbench.sweep import build_part
+
+        key = (json.dumps(run.setting, sort_keys=True), run.seed)
+        if key not in self.modules:
+            self.modules.clear()  # runs come cell by cell: keep one cell's data in memory
+            config = {"class_path": DATA_CLASS, "init_args": self.scenario.data_settings(run.setting, run.seed)}
+            data = build_part("data", config)
+            data.setup()
+            self.modules[key] = data
+        return self.modules[key]
+
+
+def fit_method(scenario: Scenario, run: Run, data, folder: Path) -> dict[str, Any]:
+    """One method's fit and test in process, logged to `folder`: the record's numbers."""
+    from lightning import Trainer
+    from lightning.pytorch.loggers import CSVLogger
+
+    from workbench.engines import LightningEngine
+    from workbench.engines.stopping import Stopping
+    from workbench.sweep import build_part
+
+    quiet()  # (after Lightning's import, which sets its loggers' levels)
+    init_args = run.method.settings(run.point, run.seed, scenario.budget.rounds)
+    method = build_part("model", {"class_path": run.method.class_path, "init_args": init_args})
+    budget = scenario.budget
+    engine = LightningEngine(method, stopping=Stopping(patience=budget.patience, min_delta=budget.min_delta))
+    trainer = Trainer(max_epochs=max(method.num_rounds, 1), logger=CSVLogger(folder.parent, name="",
+                                                                             version=folder.name),
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0, log_every_n_steps=1, accelerator="cpu", devices=1)
+    trainer.fit(engine, datamodule=data)
+    tested = trainer.test(engine, datamodule=data, verbose=False)[0]
+    fit, curve = engine.fit_metrics, engine.curve
+    write_text_atomically(folder / "config.yaml", yaml.safe_dump(
+        {"model": {"class_path": run.method.class_path, "init_args": json.loads(json.dumps(init_args, default=str))},
+         "data": {"class_path": DATA_CLASS, "init_args": scenario.data_settings(run.setting, run.seed)},
+         "engine": "lightning"}, sort_keys=False))
+    scored = [point for point in curve if "round/test_acc" in point]
+    best = max(scored, key=lambda point: point["round/test_acc"], default={})
+    held = [point for point in curve if "round/val_acc" in point]
+    return {"test_acc": tested.get("test/acc", math.nan), "personal_acc": tested.get("test/acc_local_mean", math.nan),
+            "holdout_acc": held[-1]["round/val_acc"] if held else math.nan,
+            "best_test_acc": best.get("round/test_acc", math.nan), "best_round": best.get("round", math.nan),
+            "rounds": int(fit["comm/rounds"]), "up_mb": fit["comm/bytes_up"] / data.num_clients / 1e6,
+            "down_mb": fit["comm/bytes_down"] / data.num_clients / 1e6, "fit_s": fit["time/fit_s"],
+            "curve": [[point["round"], point["round/test_acc"], point["round/bytes_up_per_client"] / 1e6]
+                      for point in scored]}
+
+
+def fit_reference(scenario: Scenario, run: Run, data) -> dict[str, Any]:
+    from workbench.bench import references
+
+    budget, settings = scenario.budget, scenario.references
+    if run.method.init_args["kind"] == "logistic":
+        result = references.logistic_regression(data, l2=run.point["l2"])
+    else:
+        result = references.pooled_mlp(data, lr=run.point["lr"], hidden_dim=settings.hidden_dim,
+                                       batch_size=settings.batch_size, seed=run.seed, epochs=budget.rounds,
+                                       patience=budget.patience, min_delta=budget.min_delta)
+    curve = result.pop("curve")
+    best: dict[str, Any] = max(curve, key=lambda point: point["test_acc"], default={})
+    return {**result, "personal_acc": math.nan, "best_test_acc": best.get("test_acc", result["test_acc"]),
+            "best_round": best.get("round", 0), "up_mb": math.nan, "down_mb": math.nan,
+            "curve": [[point["round"], point["test_acc"], math.nan] for point in curve]}
+
+
+def run_one(scenario: Scenario, run: Run, modules: DataModules, run_dir: Path) -> dict[str, Any]:
+    """One run's record, done or failed (never raises but for an interrupt)."""
+    record = {"key": run.key(scenario), "scenario": scenario.name, "setting": setting_label(run.setting),
+              **{f"data.{key}": value for key, value in run.setting.items()}, "seed": run.seed,
+              "method": run.method.name, "class_path": run.method.class_path, "point": run.point,
+              "point_label": run.point_label}
+    start = time.perf_counter()
+    try:
+        data = modules.get(run)
+        if run.method.is_reference:
+            record.update(fit_reference(scenario, run, data))
+        else:
+            folder = (run_dir / slug(record["setting"]) / slug(run.method.name) / slug(run.point_label)
+                      / f"seed_{run.seed}")
+            record.update(fit_method(scenario, run, data, folder), run_folder=str(folder))
+        record["status"] = "done"
+    except Exception as error:
+        # jsonargparse puts a config error's reason on the lines under its first
+        record.update(status="failed", error=error_summary(f"{type(error).__name__}: {error}".splitlines())[:500],
+                      traceback=traceback.format_exc()[-4000:])
+    record["wall_s"] = time.perf_counter() - start
+    record["machine"] = machine()
+    return record
+
+
+def machine() -> str:
+    """Where a run ran (its times compare with others of the same machine only)."""
+    import torch
+
+    from workbench.bench.machine import cpu_name
+
+    return f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__} with {torch.get_num_threads()} threads"
+
+
+def quiet() -> None:
+    for notice in QUIET:
+        warnings.filterwarnings("ignore", message=notice)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _worker_start(scenario: Scenario, run_dir: Path, threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    quiet()
+    _WORKER.update(scenario=scenario, run_dir=run_dir, modules=DataModules(scenario))
+
+
+def _worker_run(run: Run) -> dict[str, Any]:
+    return run_one(_WORKER["scenario"], run, _WORKER["modules"], _WORKER["run_dir"])
+
+
+def run_all(scenario: Scenario, runs: list[Run], results: Path, run_dir: Path, workers: int = 1,
+            ) -> Iterator[dict[str, Any]]:
+    """Runs `runs` (in order; with `workers` > 1 that many processes, each with its share of the
+    cores), appending each record to `results` as it ends and yielding it."""
+    results.parent.mkdir(parents=True, exist_ok=True)
+
+    def keep(record: dict[str, Any]) -> dict[str, Any]:
+        with results.open("a") as out:  # one line per record, flushed: a crash loses at most the run in flight
+            out.write(json.dumps(record, default=float) + "\n")
+        return record
+
+    if workers <= 1:
+        quiet()
+        modules = DataModules(scenario)
+        for run in runs:
+            yield keep(run_one(scenario, run, modules, run_dir))
+        return
+    import multiprocessing
+
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_start,
+                             initargs=(scenario, run_dir, threads)) as pool:
+        # a cell's runs to one worker in a row would keep its data warm; the pool takes them in order
+        for future in as_completed([pool.submit(_worker_run, run) for run in runs]):
+            yield keep(future.result())
+
+
+def describe(record: dict[str, Any]) -> str:
+    """One line of progress: the run and what it reached."""
+    what = f"{record['method']} [{record['point_label']}] {record['setting']} seed {record['seed']}"
+    if record["status"] != "done":
+        return f"{what}: FAILED {record['error']}"
+    rounds = f", {record['rounds']} rounds" if record.get("rounds") else ""
+    return (f"{what}: test {100 * record['test_acc']:.2f} %, hold-out {100 * record['holdout_acc']:.2f} %"
+            f"{rounds}, {short(round(record['wall_s'], 1))} s")
