@@ -149,9 +149,10 @@ def test_a_bug_keeps_its_traceback(monkeypatch, tmp_path):
 def test_help_lists_every_command_with_one_line(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    for command in ("fit", "validate", "test", "sweep", "compare", "sync", "list"):
+    commands = ("fit", "validate", "test", "sweep", "bench", "compare", "sync", "list")
+    for command in commands:
         assert f"\n  {command} " in out
-    assert "predict" not in out and set(COMMANDS) == {"fit", "validate", "test", "sweep", "compare", "sync", "list"}
+    assert "predict" not in out and set(COMMANDS) == set(commands)
     assert main([]) == 2  # no command: the same list, and a failing status for scripts
 
 
