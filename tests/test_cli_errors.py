@@ -64,6 +64,13 @@ def test_more_clients_than_the_data_can_hold_is_refused_in_its_own_words_before_
             "lower data.min_partition_size or data.num_clients") in err
 
 
+@pytest.mark.parametrize("method", ["AFL", "SAFLe"])
+def test_a_regularizer_too_large_for_secure_aggregation_is_refused_before_any_run_folder(method, capsys, tmp_path):
+    err = refused(capsys, tmp_path / "runs", *SYNTHETIC, f"--model={method}", "--model.gamma=1e12",
+                  "--federation.secure_aggregation=true")  # every client's Gram carries γ = 1e12 · 2^32 > 2^61 / K
+    assert "could wrap around the 2^62 ring; lower federation.fixed_point_bits to at most" in err
+
+
 def test_a_config_that_is_not_yaml_is_named_with_its_line(capsys, tmp_path):
     broken = tmp_path / "broken.yaml"
     broken.write_text("model:\n  class_path: AFL\n  init_args: {gamma: [1,\n")

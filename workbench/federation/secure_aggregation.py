@@ -124,6 +124,20 @@ def ring_sum(elements: Iterable[Tensor]) -> Tensor:
     return total
 
 
+def check_in_ring(magnitude: float, fractional_bits: int, num_summands: int) -> None:
+    """Raise, naming the fix, when `num_summands` uploads of |x| = `magnitude` could wrap around
+    the ring at `fractional_bits` (NaN and inf never fit); the engine asks it before a fit of what a
+    method knows it will send (e.g. the γI every AFL client adds), `encode` of every upload."""
+    if magnitude * 2.0 ** fractional_bits < HALF_RING / num_summands:  # False for NaN
+        return
+    fits = int(np.floor(np.log2(HALF_RING / num_summands / magnitude))) if 0 < magnitude < float("inf") else None
+    hint = (f"lower federation.fixed_point_bits to at most {fits}" if fits is not None and fits >= 0
+            else "the upload is not finite or too large for the ring; check the client's data")
+    raise ValueError(
+        f"a client's upload reaches |x| = {magnitude:.4g}: with {fractional_bits} fractional bits, the "
+        f"sum over {num_summands} clients could wrap around the 2^{RING_BITS} ring; {hint}")
+
+
 def encode(values: Tensor, fractional_bits: int, num_summands: int, out: Tensor | None = None) -> Tensor:
     """Fixed-point ring elements of `values`: round(x · 2^b) mod 2^62 (integers as they are), same
     shape (written into `out` when given: int64, as many elements).
@@ -136,17 +150,8 @@ def encode(values: Tensor, fractional_bits: int, num_summands: int, out: Tensor 
     else:
         scaled, fractional_bits = values.double(), 0
     low, high = torch.aminmax(scaled) if scaled.numel() else (scaled.new_zeros(()), scaled.new_zeros(()))
-    largest = max(-float(low), float(high))
-    bound = HALF_RING / num_summands
-    if not largest < bound:  # also catches inf and NaN
-        largest = float(scaled.abs().max())  # NaN where there is one
-        magnitude = largest / 2.0 ** fractional_bits
-        fits = int(np.floor(np.log2(bound / magnitude))) if 0 < magnitude < float("inf") else None
-        hint = (f"lower federation.fixed_point_bits to at most {fits}" if fits is not None and fits >= 0
-                else "the upload is not finite or too large for the ring; check the client's data")
-        raise ValueError(
-            f"a client's upload reaches |x| = {magnitude:.4g}: with {fractional_bits} fractional bits, the "
-            f"sum over {num_summands} clients could wrap around the 2^{RING_BITS} ring; {hint}")
+    if not max(-float(low), float(high)) < HALF_RING / num_summands:  # also catches inf and NaN
+        check_in_ring(float(scaled.abs().max()) / 2.0 ** fractional_bits, fractional_bits, num_summands)
     integers = scaled.long() if values.is_floating_point() else values.long()
     return torch.bitwise_and(integers, RING_MASK, out=out)
 

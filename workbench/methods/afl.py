@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from workbench.federation.privacy import ridge_sensitivity, safe_ridge
+from workbench.federation.secure_aggregation import check_in_ring
 from workbench.linalg import class_sums, identity_like, solve_spd, statistics_dtype
 from workbench.methods.base import SUMMED, SYMMETRIC, ClientHalf, Cohort, FederatedMethod, Metrics, Problem, Uploads
 from workbench.methods.ridge_selection import (
@@ -46,6 +47,14 @@ from workbench.methods.ridge_selection import (
     client_holdout,
     holdout_correct,
 )
+
+
+def check_regularizer_in_ring(method, data) -> None:
+    """Under secure aggregation every client's Gram carries its γ on the diagonal: a γ whose sum over
+    the K clients would wrap around the ring is refused before the fit, not in round 0."""
+    federation = method.federation
+    if federation.secure_aggregation and method.gamma > 0:
+        check_in_ring(method.gamma, federation.fixed_point_bits, int(torch.unique(data.train_client_ids).numel()))
 
 
 class AFLClient(ClientHalf):
@@ -150,6 +159,7 @@ class AFL(FederatedMethod):
 
     def check_data(self, data) -> None:
         check_holdout_rows(self, data)
+        check_regularizer_in_ring(self, data)
 
     def statistics_sensitivity(self, feature_norm: float) -> float | None:
         """One sample's design row [x (, 1)] has norm ≤ √(B² + bias): Δ of (XᵀX, XᵀY) as

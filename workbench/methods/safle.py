@@ -77,6 +77,7 @@ from workbench.linalg import (
     solve_spd,
     statistics_dtype,
 )
+from workbench.methods.afl import check_regularizer_in_ring
 from workbench.methods.base import (
     SUMMED,
     SYMMETRIC,
@@ -451,6 +452,7 @@ class SAFLe(SparseEmbedding, FederatedMethod):
 
     def check_data(self, data) -> None:
         check_holdout_rows(self, data)
+        check_regularizer_in_ring(self, data)
 
     @property
     def num_rounds(self) -> int:
