@@ -112,6 +112,26 @@ def test_the_hold_outs_choose_and_the_test_split_never_does(tiny):
     assert leaderboard.choose([low_test, tie])[("s", 0, "M")]["point_label"] == "a"  # ties: the grid's first
 
 
+def test_a_personalized_scenario_chooses_and_ranks_by_the_clients_own_models(tmp_path):
+    """Under the personalized protocol a run's hold-out score is each client's own model on its own
+    hold-out rows (so LocalOnly, which has no global model, is chosen too) and the table ranks by
+    the local test accuracy; a record with no hold-out score is flagged where it was chosen."""
+    scenario = {**TINY, "protocol": "personalized", "seeds": [0, 1],
+                "data": {**TINY["data"], "local_test_fraction": 0.25},
+                "methods": {"AFL": TINY["methods"]["AFL"],
+                            "LocalOnly": {"class_path": "LocalOnly", "grid": {"gamma": [0.01, 100.0]}}}}
+    code, records = bench(tmp_path, scenario)
+    assert code == 0 and all(r["status"] == "done" for r in records)
+    local = [r for r in records if r["method"] == "LocalOnly"]
+    assert all(math.isnan(r["test_acc"]) and 0 < r["holdout_acc"] <= 1 and 0 < r["personal_acc"] <= 1 for r in local)
+    assert {r["holdout_acc"] for r in local} != {local[0]["holdout_acc"]}  # the γ grid is told apart
+    page = (tmp_path / "out" / "leaderboard.md").read_text()
+    assert "personal accuracy %" in page and "rounds (MB up) to" not in page and "no hold-out score" not in page
+    unscored = [{**r, "holdout_acc": math.nan} for r in records]
+    assert "(no hold-out score: the grid's first)" in leaderboard.render(load_scenario(tmp_path / "scenario.yaml"),
+                                                                         unscored)
+
+
 def test_statistics_over_seeds():
     mean, std, half = leaderboard.summary([0.80, 0.82, 0.84])
     assert mean == pytest.approx(0.82) and std == pytest.approx(0.02)

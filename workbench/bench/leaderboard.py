@@ -140,7 +140,8 @@ def setting_table(scenario: Scenario, records: list[dict[str, Any]], setting: st
     rows = [spec for spec in scenario.rows() if any((setting, s, spec.name) in chosen for s in seeds)]
     per_method = {spec.name: [chosen[(setting, s, spec.name)] for s in seeds if (setting, s, spec.name) in chosen]
                   for spec in rows}
-    targets = targets_of(scenario, chosen, setting)
+    # (rounds to a one-round method's accuracy: of the global model's test accuracy, global protocol only)
+    targets = targets_of(scenario, chosen, setting) if metric == "test_acc" else []
     # best: the top federated method, if a paired test over the shared seeds separates it from each other
     federated = [m for m in per_method if per_method[m][0]["class_path"] != REFERENCE
                  and all(math.isfinite(r[metric]) for r in per_method[m])]
@@ -184,7 +185,10 @@ def setting_table(scenario: Scenario, records: list[dict[str, Any]], setting: st
         picks: dict[str, int] = defaultdict(int)
         for r in runs:
             flagged = edges(scenario, method, r["point"])
-            picks[r["point_label"] + (f" (edge: {', '.join(flagged)})" if flagged else "")] += 1
+            unscored = not math.isfinite(r["holdout_acc"]) and any(
+                len(spec.points()) > 1 for spec in scenario.rows() if spec.name == method)
+            picks[r["point_label"] + (f" (edge: {', '.join(flagged)})" if flagged else "")
+                  + (" (no hold-out score: the grid's first)" if unscored else "")] += 1
         cells.append("; ".join(f"{label} ×{count}" if len(runs) > 1 else label for label, count in picks.items()))
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -226,7 +230,17 @@ def render(scenario: Scenario, records: list[dict[str, Any]]) -> str:
         lines.append("")
     if failed:
         lines += ["## Failed runs", ""]
-        lines += [f"- {r['method']} [{r['point_label']}] {r['setting']} seed {r['seed']}: {r['error']}" for r in failed]
+        # one line per setting and error: a setting whose data cannot be built fails every run alike
+        by_error: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+        for r in failed:
+            by_error[(r["setting"], r["error"])].append(r)
+        for (setting, error), runs in by_error.items():
+            if len(runs) == 1:
+                what = f"{runs[0]['method']} [{runs[0]['point_label']}] seed {runs[0]['seed']}"
+            else:
+                seeds = ", ".join(str(seed) for seed in sorted({r["seed"] for r in runs}))
+                what = f"{len(runs)} runs ({', '.join(dict.fromkeys(r['method'] for r in runs))}; seeds {seeds})"
+            lines.append(f"- {setting}, {what}: {error}")
         lines.append("")
     machines = sorted({r["machine"] for r in done if "machine" in r})
     lines += [f"Machine: {machine}." for machine in machines] + [""]

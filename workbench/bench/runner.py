@@ -105,8 +105,12 @@ def fit_method(scenario: Scenario, run: Run, data, folder: Path) -> dict[str, An
     scored = [point for point in curve if "round/test_acc" in point]
     best = max(scored, key=lambda point: point["round/test_acc"], default={})
     held = [point for point in curve if "round/val_acc" in point]
+    if scenario.protocol == "personalized":  # chosen as scored: each client's own model on its own hold-out
+        holdout = engine.personal_accuracy("val")
+    else:
+        holdout = held[-1]["round/val_acc"] if held else math.nan
     return {"test_acc": tested.get("test/acc", math.nan), "personal_acc": tested.get("test/acc_local_mean", math.nan),
-            "holdout_acc": held[-1]["round/val_acc"] if held else math.nan,
+            "holdout_acc": holdout,
             "best_test_acc": best.get("round/test_acc", math.nan), "best_round": best.get("round", math.nan),
             "rounds": int(fit["comm/rounds"]), "up_mb": fit["comm/bytes_up"] / data.num_clients / 1e6,
             "down_mb": fit["comm/bytes_down"] / data.num_clients / 1e6, "fit_s": fit["time/fit_s"],

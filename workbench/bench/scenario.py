@@ -36,7 +36,8 @@ import yaml
 
 PROTOCOLS = ("global", "personalized")
 #: the data settings a cell may vary (the rest of FederatedDataModule's come from `data`)
-CELL_KEYS = ("num_clients", "partition", "alpha", "num_shards_per_partition", "num_classes_per_partition")
+CELL_KEYS = ("num_clients", "partition", "alpha", "min_partition_size", "num_shards_per_partition",
+             "num_classes_per_partition")
 #: the scenario's own data settings: the harness sets these
 HARNESS_DATA_KEYS = ("seed", "val_fraction", "val_split", "personalized")
 REFERENCE = "reference"  # the class_path of the centralized rows
@@ -66,7 +67,7 @@ def short(value: Any) -> str:
 def setting_label(setting: dict[str, Any]) -> str:
     """`K=100 dirichlet α=0.1`, `K=10 iid`."""
     words = [f"K={setting['num_clients']}", str(setting.get("partition", "dirichlet"))]
-    for key, name in (("alpha", "α"), ("num_shards_per_partition", "shards"),
+    for key, name in (("alpha", "α"), ("min_partition_size", "n_k≥"), ("num_shards_per_partition", "shards"),
                       ("num_classes_per_partition", "classes")):
         if key in setting:
             words.append(f"{name}={short(setting[key])}")

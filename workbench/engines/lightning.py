@@ -35,6 +35,7 @@ round's aggregated uploads are checked for NaN/inf before the server solves or s
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from typing import Any, Protocol, cast, runtime_checkable
@@ -385,19 +386,31 @@ class LightningEngine(LightningModule):
         the trainer's precision, clipped where the clients clip."""
         return self._inputs(self.trainer.precision_plugin.convert_input(features.to(self.device)))
 
-    def _local_scores(self) -> tuple[Tensor, Tensor]:
-        """(correct (K,), total (K,)) int64: each client's own model on its local test split, scored
-        where the clients live (a transport that scores locally, e.g. Flower's) or here in chunks
-        (this process's clients; summed over the processes)."""
-        if isinstance(self.clients, ScoresLocally) and self._scored_remotely():
+    @torch.no_grad()
+    def personal_accuracy(self, split: str = "local_test") -> float:
+        """The mean over the clients of each client's own model (the global one for a global
+        method) on its own rows of `split`: `local_test` (`test/acc_local_mean`), or `val` (the
+        clients' hold-outs: the personalized protocol's score to choose settings on); NaN when no
+        client has rows there."""
+        correct, total = self._local_scores(split)
+        tested = total > 0
+        return float((correct[tested].double() / total[tested]).mean()) if tested.any() else math.nan
+
+    def _local_scores(self, split: str = "local_test") -> tuple[Tensor, Tensor]:
+        """(correct (K,), total (K,)) int64: each client's own model on its rows of `split`, scored
+        where the clients live (a transport that scores its local test split locally, e.g.
+        Flower's) or here in chunks (this process's clients; summed over the processes)."""
+        if split == "local_test" and isinstance(self.clients, ScoresLocally) and self._scored_remotely():
             correct, total = self.clients.local_accuracy()
             return correct.to(self.device), total.to(self.device)
+        if split != "local_test" and self._scored_remotely():
+            raise ValueError(f"the clients score only their local test split where they live, not {split!r}")
         data = self.data
         correct = torch.zeros(self.method.num_clients, dtype=torch.long, device=self.device)
         total = torch.zeros_like(correct)
         rows = data.hparams.batch_size
-        parts = zip(data.local_test_features.split(rows), data.local_test_labels.split(rows),
-                    data.local_test_client_ids.split(rows), strict=True)
+        parts = zip(getattr(data, f"{split}_features").split(rows), getattr(data, f"{split}_labels").split(rows),
+                    getattr(data, f"{split}_client_ids").split(rows), strict=True)
         for features, labels, client_ids in parts:
             self._add_local_scores(correct, total, self._curve_inputs(features), labels.to(self.device),
                                    client_ids.to(self.device))
