@@ -30,8 +30,9 @@ def test_every_table_of_a_cited_file_is_on_the_page_verbatim():
 
 def test_every_results_file_is_on_the_page():
     page = gen.PAGE.read_text()
-    for path in sorted(gen.RESULTS.glob("*.md")):
-        assert f"`benchmarks/results/{path.name}`" in page, path.name
+    for path in sorted([*gen.RESULTS.glob("*.md"), *gen.RESULTS.glob("leaderboard/*/leaderboard.md")]):
+        name = path.relative_to(gen.RESULTS).as_posix()
+        assert f"`benchmarks/results/{name}`" in page, name
 
 
 def test_a_directive_takes_the_tables_asked_for_with_their_captions(tmp_path):
@@ -48,6 +49,16 @@ def test_a_results_file_the_template_does_not_name_goes_under_other_results(tmp_
     (tmp_path / "new.md").write_text("# A new benchmark\n\n| b |\n|---|\n| 2 |\n")
     page = gen.render("# Page\n\n<!-- results x.md -->\n", tmp_path)
     assert "## Other results" in page and "### A new benchmark" in page and "| b |" in page
+
+
+def test_a_leaderboard_is_named_by_its_path_and_one_not_named_is_appended(tmp_path):
+    for scenario in ("a", "b"):
+        (tmp_path / "leaderboard" / scenario).mkdir(parents=True)
+        (tmp_path / "leaderboard" / scenario / "leaderboard.md").write_text(
+            f"# Leaderboard: {scenario}\n\nintro\n\n## K=10 iid\n\n| m |\n|---|\n| {scenario} |\n")
+    page = gen.render("# Page\n\n## Board\n\n<!-- results leaderboard/a/leaderboard.md sections -->\n", tmp_path)
+    assert "### K=10 iid\n\n| m |\n|---|\n| a |" in page and "intro" not in page.split("## Other")[0]
+    assert "### Leaderboard: b" in page and "`benchmarks/results/leaderboard/b/leaderboard.md`" in page
 
 
 def test_a_missing_results_file_or_table_is_an_error(tmp_path):

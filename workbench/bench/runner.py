@@ -166,7 +166,8 @@ def machine() -> str:
 
     from workbench.bench.machine import cpu_name
 
-    return f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__} with {torch.get_num_threads()} threads"
+    threads = torch.get_num_threads()
+    return f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__} with {threads} thread{'s' * (threads != 1)}"
 
 
 def quiet() -> None:

@@ -67,10 +67,10 @@ def short(value: Any) -> str:
 def setting_label(setting: dict[str, Any]) -> str:
     """`K=100 dirichlet α=0.1`, `K=10 iid`."""
     words = [f"K={setting['num_clients']}", str(setting.get("partition", "dirichlet"))]
-    for key, name in (("alpha", "α"), ("min_partition_size", "n_k≥"), ("num_shards_per_partition", "shards"),
-                      ("num_classes_per_partition", "classes")):
+    for key, name in (("alpha", "α="), ("min_partition_size", "n_k≥"), ("num_shards_per_partition", "shards="),
+                      ("num_classes_per_partition", "classes=")):
         if key in setting:
-            words.append(f"{name}={short(setting[key])}")
+            words.append(f"{name}{short(setting[key])}")
     return " ".join(words)
 
 
