@@ -167,7 +167,8 @@ def machine() -> str:
     from workbench.bench.machine import cpu_name
 
     threads = torch.get_num_threads()
-    return f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__} with {threads} thread{'s' * (threads != 1)}"
+    return (f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__} with {threads} "
+            f"thread{'s' * (threads != 1)}")
 
 
 def quiet() -> None:
