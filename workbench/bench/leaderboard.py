@@ -183,10 +183,10 @@ def setting_table(scenario: Scenario, records: list[dict[str, Any]], setting: st
                          f"{mean_of([h[0] for h in found]):.0f} ({mean_of([h[1] for h in found]):.2f}) "
                          f"on {len(found)}/{len(hits)}")
         picks: dict[str, int] = defaultdict(int)
+        has_grid = any(len(spec.points()) > 1 for spec in scenario.rows() if spec.name == method)
         for r in runs:
             flagged = edges(scenario, method, r["point"])
-            unscored = not math.isfinite(r["holdout_acc"]) and any(
-                len(spec.points()) > 1 for spec in scenario.rows() if spec.name == method)
+            unscored = has_grid and not math.isfinite(r["holdout_acc"])
             picks[r["point_label"] + (f" (edge: {', '.join(flagged)})" if flagged else "")
                   + (" (no hold-out score: the grid's first)" if unscored else "")] += 1
         cells.append("; ".join(f"{label} ×{count}" if len(runs) > 1 else label for label, count in picks.items()))

@@ -104,10 +104,10 @@ def fit_method(scenario: Scenario, run: Run, data, folder: Path) -> dict[str, An
          "engine": "lightning"}, sort_keys=False))
     scored = [point for point in curve if "round/test_acc" in point]
     best = max(scored, key=lambda point: point["round/test_acc"], default={})
-    held = [point for point in curve if "round/val_acc" in point]
     if scenario.protocol == "personalized":  # chosen as scored: each client's own model on its own hold-out
         holdout = engine.personal_accuracy("val")
     else:
+        held = [point for point in curve if "round/val_acc" in point]
         holdout = held[-1]["round/val_acc"] if held else math.nan
     return {"test_acc": tested.get("test/acc", math.nan), "personal_acc": tested.get("test/acc_local_mean", math.nan),
             "holdout_acc": holdout,

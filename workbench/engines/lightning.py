@@ -370,10 +370,9 @@ class LightningEngine(LightningModule):
                 labels = getattr(data, f"{split}_labels").to(self.device)
                 point[key] = method.accuracy(self._curve_inputs(features), labels, name=cache)
         if test and personal and getattr(data, "local_test_client_ids", None) is not None:
-            correct, total = self._local_scores()
-            tested = total > 0
-            if tested.any():
-                point["round/test_acc_local_mean"] = float((correct[tested].double() / total[tested]).mean())
+            local_mean = self.personal_accuracy()
+            if math.isfinite(local_mean):
+                point["round/test_acc_local_mean"] = local_mean
         if len(point) > 1:  # its own bytes: the row's comm/* hold the totals when the row is logged
             point.update({f"round/{key}": self.fit_metrics[f"comm/{key}"]
                           for key in ("bytes_up_per_client", "bytes_down_per_client")})

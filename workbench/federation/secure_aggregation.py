@@ -126,8 +126,8 @@ def ring_sum(elements: Iterable[Tensor]) -> Tensor:
 
 def check_in_ring(magnitude: float, fractional_bits: int, num_summands: int) -> None:
     """Raise, naming the fix, when `num_summands` uploads of |x| = `magnitude` could wrap around
-    the ring at `fractional_bits` (NaN and inf never fit); the engine asks it before a fit of what a
-    method knows it will send (e.g. the γI every AFL client adds), `encode` of every upload."""
+    the ring at `fractional_bits` (NaN and inf never fit): asked by `encode` of every upload, and by a
+    method's `check_data` before the fit of what it knows it will send (the γI every AFL client adds)."""
     if magnitude * 2.0 ** fractional_bits < HALF_RING / num_summands:  # False for NaN
         return
     fits = int(np.floor(np.log2(HALF_RING / num_summands / magnitude))) if 0 < magnitude < float("inf") else None
