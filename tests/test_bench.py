@@ -172,6 +172,23 @@ def test_an_edge_choice_is_flagged():
     assert leaderboard.edges(wider, "FedAvg", {"local.lr": 0.1}) == []
 
 
+def test_a_reference_run_is_keyed_by_what_decides_it_alone():
+    def keys(scenario: dict) -> dict[tuple[str, str], str]:
+        loaded = load_scenario_of(scenario)
+        return {(run.method.name, run.point_label): run.key(loaded) for run in loaded.runs()
+                if run.method.is_reference and run.seed == 0}
+
+    logistic, mlp = ("Centralized logistic regression", "l2=0.0001"), ("Centralized MLP", "lr=0.3")
+    before = keys(TINY)
+    wider = keys({**TINY, "references": {**TINY["references"], "lrs": [0.1, 0.3], "l2": [1.0e-4, 1.0e-2]}})
+    assert wider[logistic] == before[logistic] and wider[mlp] == before[mlp]  # a widened grid keeps its runs
+    assert len(wider) == 4
+    longer = keys({**TINY, "budget": {**TINY["budget"], "rounds": 9}})  # the MLP trains to the budget
+    assert longer[logistic] == before[logistic] and longer[mlp] != before[mlp]
+    wider_net = keys({**TINY, "references": {**TINY["references"], "hidden_dim": 16}})
+    assert wider_net[logistic] == before[logistic] and wider_net[mlp] != before[mlp]
+
+
 @pytest.mark.parametrize(("change", "message"), [
     ({"colour": 1}, "unknown keys"),
     ({"methods": {"X": {"class_path": "FedAvv"}}}, "unknown method class 'FedAvv'"),

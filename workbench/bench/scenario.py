@@ -11,7 +11,7 @@ and each method's grid, read from one YAML file (benchmarks/scenarios/*.yaml).
       partition: [{partition: dirichlet, alpha: 0.1}, {partition: iid}]
     seeds: [0, 1, 2]                   # the partition's seed and each method's own
     budget: {rounds: 50, patience: 5, min_delta: 0.001}   # the gradient methods' (and the references')
-    references: {hidden_dim: 64, lrs: [0.03, 0.1, 0.3], l2: [1.0e-5, 1.0e-4, 1.0e-3]}
+    references: {hidden_dim: 64, lrs: [0.03, 0.1, 0.3], l2: [1.0e-4, 1.0e-3, 1.0e-2, 1.0e-1]}
     methods:
       AFL: {class_path: AFL, grid: {gamma_out: [0.1, 1, 10]}}
       FedAvg:
@@ -149,7 +149,14 @@ class References:
     hidden_dim: int = 64
     batch_size: int = 64
     lrs: tuple[float, ...] = (0.03, 0.1, 0.3)
-    l2: tuple[float, ...] = (1e-5, 1e-4, 1e-3)
+    l2: tuple[float, ...] = (1e-4, 1e-3, 1e-2, 1e-1)
+
+    def deciding(self, kind: str) -> dict[str, Any]:
+        """What decides one run of the `kind` row besides its grid point (its run key's share):
+        the logistic regression depends on no budget, the MLP on its width, batch and budget."""
+        if kind == "logistic":
+            return {"budget": None, "references": "logistic"}
+        return {"references": {"hidden_dim": self.hidden_dim, "batch_size": self.batch_size}}
 
 
 @dataclass(frozen=True)
@@ -167,11 +174,12 @@ class Run:
 
     def key(self, scenario: Scenario) -> str:
         """What makes a run the same run: its data and method settings in full (a changed config reruns it)."""
-        what = {"data": scenario.data_settings(self.setting, self.seed), "method": self.method.name,
-                "class_path": self.method.class_path,
-                "init_args": self.method.settings(self.point, self.seed, scenario.budget.rounds),
-                "budget": vars(scenario.budget),
-                "references": vars(scenario.references) if self.method.is_reference else None}
+        what: dict[str, Any] = {"data": scenario.data_settings(self.setting, self.seed), "method": self.method.name,
+                                "class_path": self.method.class_path,
+                                "init_args": self.method.settings(self.point, self.seed, scenario.budget.rounds),
+                                "budget": vars(scenario.budget), "references": None}
+        if self.method.is_reference:  # only what decides this row: a widened grid keeps the runs it had
+            what.update(scenario.references.deciding(self.method.init_args["kind"]))
         return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
