@@ -114,7 +114,7 @@ def test_lite0_matches_package_reference_model(lite0: Backbone) -> None:
 def test_lite0_default_normalization_fits_its_batchnorm_statistics(lite0: Backbone) -> None:
     """On a natural image, the stem conv output variance under the default mean/std should be
     close to the stem BatchNorm's running variance; under ImageNet mean/std it is ~5x too large."""
-    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib = pytest.importorskip("matplotlib", reason="a core dependency: pip install -e .")
     from PIL import Image
     from torchvision.transforms import functional as TF
 

