@@ -77,6 +77,22 @@ def test_a_rerun_skips_every_finished_run_and_retries_failed_ones_only_when_aske
     assert [(r["method"], r["seed"], r["status"]) for r in retried] == [("Broken", 0, "failed")]
 
 
+def test_a_diverging_grid_point_is_an_outcome_never_chosen_nor_rerun(tmp_path):
+    """A rate whose steps blow up stops at the round's check for non-finite uploads: recorded as
+    diverged, listed apart from failures, the other point chosen, the exit status 0."""
+    scenario = {**TINY, "seeds": [0], "references": {"enabled": False},
+                "methods": {"FedAvg": {**TINY["methods"]["FedAvg"], "grid": {"local.lr": [0.3, 1.0e30]}}}}
+    code, records = bench(tmp_path, scenario)
+    assert code == 0
+    assert [(r["point_label"], r["status"]) for r in records] == [("local.lr=0.3", "done"),
+                                                                 ("local.lr=1e+30", "diverged")]
+    assert "non-finite" in records[1]["error"]
+    assert leaderboard.choose(records)[(records[0]["setting"], 0, "FedAvg")]["point_label"] == "local.lr=0.3"
+    page = (tmp_path / "out" / "leaderboard.md").read_text()
+    assert "## Diverged runs" in page and "## Failed runs" not in page
+    assert bench(tmp_path, scenario, "--retry_failed") == (0, records)  # nothing runs again
+
+
 def test_the_table_holds_the_runs_own_metrics(tiny):
     """Each chosen run's test accuracy is the one its run folder logged, and the table's mean is theirs."""
     tmp_path, _, _, records = tiny

@@ -14,7 +14,7 @@ and, under `--run_dir` (default `runs/bench/<name>/`), each fit's run folder for
     --workers N        N processes at a time, each with its share of the cores
     --methods A B      only these rows (the others' records are kept)
     --seeds 0 1        only these seeds
-    --retry_failed     run the failed runs again
+    --retry_failed     run the failed runs again (not the diverged: their outcome is recorded)
     --dry_run          list what would run, run nothing
     --render           only rewrite results.csv and leaderboard.md from results.jsonl
 """
@@ -24,6 +24,7 @@ import argparse
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from workbench.bench.scenario import ScenarioError, load_scenario, setting_label
@@ -72,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = [run for run in scenario.runs()
             if (args.methods is None or run.method.name in args.methods)
             and (args.seeds is None or run.seed in args.seeds)]
-    pending = [run for run in runs if (recorded.get(run.key(scenario)) or {}).get("status") != "done"
-               and not (recorded.get(run.key(scenario), {}).get("status") == "failed" and not args.retry_failed)]
+    # a run never recorded, or a failed one when asked (done and diverged runs are outcomes)
+    rerun = {None, "failed"} if args.retry_failed else {None}
+    pending = [run for run in runs if recorded.get(run.key(scenario), {}).get("status") in rerun]
     print(f"{scenario.name}: {len(runs)} runs, {len(runs) - len(pending)} recorded, {len(pending)} to run "
           f"({len(scenario.settings)} settings × {len(scenario.seeds)} seeds × {len(names)} rows with their grids)")
     if args.dry_run:
@@ -83,17 +85,18 @@ def main(argv: list[str] | None = None) -> int:
     if not args.render and pending:
         from tqdm import tqdm
 
-        start, failures = time.perf_counter(), 0
+        start, outcomes = time.perf_counter(), Counter[str]()
         with tqdm(total=len(pending), unit="run", file=sys.stderr, dynamic_ncols=True) as bar:
             for record in run_all(scenario, pending, results, run_dir, workers=args.workers):
-                failures += record["status"] != "done"
+                outcomes[record["status"]] += 1
                 bar.write(describe(record))
                 bar.update()
-        print(f"ran {len(pending)} runs in {time.perf_counter() - start:.0f} s ({failures} failed)")
+        print(f"ran {len(pending)} runs in {time.perf_counter() - start:.0f} s ({outcomes['failed']} failed, "
+              f"{outcomes['diverged']} diverged)")
     # the scenario's runs as they stand: each current key's last record (an edited scenario's old keys drop out)
     keys = {run.key(scenario) for run in scenario.runs()}
     current = [record for key, record in latest(read_records(results)).items() if key in keys]
     write_text_atomically(out / "results.csv", tidy_csv(current))
     write_text_atomically(out / "leaderboard.md", render(scenario, current))
     print(f"wrote {out / 'leaderboard.md'} and {out / 'results.csv'}; run folders in {run_dir}")
-    return 1 if any(record["status"] != "done" for record in current) else 0
+    return 1 if any(record["status"] == "failed" for record in current) else 0

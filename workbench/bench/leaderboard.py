@@ -194,10 +194,27 @@ def setting_table(scenario: Scenario, records: list[dict[str, Any]], setting: st
     return lines
 
 
+def error_lines(records: list[dict[str, Any]]) -> list[str]:
+    """One line per setting and error (a setting whose data cannot be built fails every run alike)."""
+    by_error: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        by_error[(r["setting"], r["error"])].append(r)
+    lines = []
+    for (setting, error), runs in by_error.items():
+        if len(runs) == 1:
+            what = f"{runs[0]['method']} [{runs[0]['point_label']}] seed {runs[0]['seed']}"
+        else:
+            seeds = ", ".join(str(seed) for seed in sorted({r["seed"] for r in runs}))
+            what = f"{len(runs)} runs ({', '.join(dict.fromkeys(r['method'] for r in runs))}; seeds {seeds})"
+        lines.append(f"- {setting}, {what}: {error}")
+    return [*lines, ""]
+
+
 def render(scenario: Scenario, records: list[dict[str, Any]]) -> str:
     """The scenario's Markdown page."""
     done = [r for r in records if r["status"] == "done"]
-    failed = [r for r in records if r["status"] != "done"]
+    failed = [r for r in records if r["status"] == "failed"]
+    diverged = [r for r in records if r["status"] == "diverged"]
     lines = [f"# Leaderboard: {scenario.name}", ""]
     if scenario.title:
         lines += [scenario.title, ""]
@@ -228,20 +245,14 @@ def render(scenario: Scenario, records: list[dict[str, Any]]) -> str:
                   f"on average ({max(cell_seconds.values()):.0f} s at most):", ""]
         lines += setting_table(scenario, by_setting[setting], setting)
         lines.append("")
+    if diverged:
+        lines += ["## Diverged runs", "",
+                  "Stopped by the round's check for non-finite uploads; a grid point that diverges is never chosen.",
+                  ""]
+        lines += error_lines(diverged)
     if failed:
         lines += ["## Failed runs", ""]
-        # one line per setting and error: a setting whose data cannot be built fails every run alike
-        by_error: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
-        for r in failed:
-            by_error[(r["setting"], r["error"])].append(r)
-        for (setting, error), runs in by_error.items():
-            if len(runs) == 1:
-                what = f"{runs[0]['method']} [{runs[0]['point_label']}] seed {runs[0]['seed']}"
-            else:
-                seeds = ", ".join(str(seed) for seed in sorted({r["seed"] for r in runs}))
-                what = f"{len(runs)} runs ({', '.join(dict.fromkeys(r['method'] for r in runs))}; seeds {seeds})"
-            lines.append(f"- {setting}, {what}: {error}")
-        lines.append("")
+        lines += error_lines(failed)
     machines = sorted({r["machine"] for r in done if "machine" in r})
     lines += [f"Machine: {machine}." for machine in machines] + [""]
     return "\n".join(lines)

@@ -4,7 +4,9 @@ A record holds what the leaderboard needs (final and best test accuracy, the hol
 rounds, bytes, fit time, the learning curve) and the run's key (its data and method settings in
 full): a rerun skips every key already recorded as done, so an interrupted bench resumes where
 it stopped and a changed setting reruns only its runs. A run that raises is recorded as failed
-with its error and the others go on (`--retry_failed` runs the failed ones again). Each fit also
+with its error and the others go on (`--retry_failed` runs the failed ones again); one stopped by
+the round's check for non-finite uploads is recorded as diverged, a grid point's outcome that is
+never chosen and not run again. Each fit also
 leaves a run folder (`config.yaml`, `metrics.csv`) that `workbench compare` reads.
 """
 from __future__ import annotations
@@ -152,8 +154,11 @@ def run_one(scenario: Scenario, run: Run, modules: DataModules, run_dir: Path) -
             record.update(fit_method(scenario, run, data, folder), run_folder=str(folder))
         record["status"] = "done"
     except Exception as error:
+        # the round's guard against non-finite uploads: a grid point whose steps blew up is an
+        # outcome (never chosen, not retried), not a fault of the harness or the data
+        status = "diverged" if isinstance(error, FloatingPointError) else "failed"
         # jsonargparse puts a config error's reason on the lines under its first
-        record.update(status="failed", error=error_summary(f"{type(error).__name__}: {error}".splitlines())[:500],
+        record.update(status=status, error=error_summary(f"{type(error).__name__}: {error}".splitlines())[:500],
                       traceback=traceback.format_exc()[-4000:])
     record["wall_s"] = time.perf_counter() - start
     record["machine"] = machine()
@@ -225,7 +230,7 @@ def describe(record: dict[str, Any]) -> str:
     """One line of progress: the run and what it reached."""
     what = f"{record['method']} [{record['point_label']}] {record['setting']} seed {record['seed']}"
     if record["status"] != "done":
-        return f"{what}: FAILED {record['error']}"
+        return f"{what}: {record['status'].upper()} {record['error']}"
     rounds = f", {record['rounds']} rounds" if record.get("rounds") else ""
     return (f"{what}: test {100 * record['test_acc']:.2f} %, hold-out {100 * record['holdout_acc']:.2f} %"
             f"{rounds}, {short(round(record['wall_s'], 1))} s")
