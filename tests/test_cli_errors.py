@@ -222,3 +222,14 @@ def test_the_flower_engine_without_its_extra_is_the_install_hint_alone():
     for chained in ("During handling of the above exception", "The above exception was the direct cause",
                     "import of flwr halted"):  # the hint alone, whoever prints the traceback
         assert chained not in done.stderr, done.stderr
+
+
+def test_a_python_without_the_install_says_to_use_the_venv(monkeypatch, capsys):
+    """The system's Python run from the repository root imports the package but none of its
+    dependencies: the error names the venv, not only the missing module."""
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now fails as if it were not installed
+    for module in ("workbench.cli", "workbench.experiment"):  # imported again, each from its first line
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    assert main(["fit", "--config", str(ROOT / "configs/demo.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "torch" in err and "source .venv/bin/activate" in err and sys.executable in err

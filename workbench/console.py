@@ -72,8 +72,18 @@ def user_error(error: BaseException) -> BaseException | None:
     return None
 
 
+#: import names of the install's own dependencies (pyproject.toml): one missing means that this
+#: Python is not the one the workbench was installed into (the system's, not the venv's)
+INSTALLED_WITH = {"torch", "torchvision", "lightning", "jsonargparse", "timm", "torchmetrics", "numpy", "scipy",
+                  "wandb", "yaml", "tqdm"}
+
+
 def print_user_error(error: BaseException, file=None) -> None:
-    print(f"error: {error}\n{DEBUG_HINT}", file=file or sys.stderr)
+    lines = [f"error: {error}"]
+    if isinstance(error, ModuleNotFoundError) and (error.name or "").partition(".")[0] in INSTALLED_WITH:
+        lines.append(f"this Python ({sys.executable}) lacks what the install put in its venv: activate it first "
+                     "(`source .venv/bin/activate`) or run `.venv/bin/python -m workbench ...`")
+    print("\n".join([*lines, DEBUG_HINT]), file=file or sys.stderr)
 
 
 # ---- the config parser's messages --------------------------------------------------------------
