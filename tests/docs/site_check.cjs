@@ -10,4 +10,9 @@ checkPage(1280, async (page, seen, screenshot) => {
   seen.nav = await page.$$eval("nav.md-nav--primary a.md-nav__link", (links) => links.map((a) => a.textContent.trim()));
   seen.image = await page.$eval("article img", (img) => [img.complete, img.naturalWidth]);
   await page.screenshot({ path: screenshot, fullPage: true });
+  // a menu link, clicked as a reader would from file://: it must land on the page, not a folder
+  await Promise.all([page.waitForLoadState("load"), page.click("nav.md-nav--primary a.md-nav__link >> text=Install")]);
+  await page.waitForLoadState("load");
+  seen.clicked_url = page.url();
+  seen.clicked_heading = await page.$eval("article h1", (h) => h.textContent).catch(() => null);
 });

@@ -27,9 +27,9 @@ def test_the_site_builds_strictly(tmp_path):
     build_site(tmp_path / "site")
     home = (tmp_path / "site" / "index.html").read_text()
     assert "workbench" in home and "images/dashboard.png" in home
-    afl = (tmp_path / "site" / "methods" / "afl" / "index.html").read_text()
+    afl = (tmp_path / "site" / "methods" / "afl.html").read_text()
     assert "regularization intermediary" in afl  # the module's docstring is the method's page
-    assert "# Changelog" not in (tmp_path / "site" / "changelog" / "index.html").read_text()  # included, rendered
+    assert "# Changelog" not in (tmp_path / "site" / "changelog.html").read_text()  # included, rendered
 
 
 def test_a_broken_anchor_fails_the_build(tmp_path):

@@ -1,5 +1,6 @@
 """The built site's home page opens in Chromium: its heading, its nav and the dashboard's picture
-are there, and nothing is fetched from the network. The screenshot is kept as an artifact
+are there, a menu link clicked from file:// lands on its page, and nothing is fetched from the
+network. The screenshot is kept as an artifact
 ($WORKBENCH_TEST_ARTIFACTS, else the test's temporary folder)."""
 from __future__ import annotations
 
@@ -26,3 +27,6 @@ def test_the_home_page_opens_in_chromium(tmp_path):
     assert seen["heading"].startswith("workbench") and "workbench" in seen["title"]
     assert {"Install", "Benchmarks", "Changelog"} <= set(seen["nav"]), seen["nav"]
     assert seen["image"][0] and seen["image"][1] > 0  # the dashboard's picture loaded
+    # from file:// a menu link lands on its page (a directory URL would open a listing there)
+    assert seen["clicked_url"].endswith("/install.html"), seen["clicked_url"]
+    assert seen["clicked_heading"] and seen["clicked_heading"].startswith("Install"), seen["clicked_heading"]
