@@ -2,8 +2,9 @@
 fresh processes (`python -m workbench ...`), with a bare `python -c pass` and `import torch` as
 references measured in the same run:
 
-- `--help` (the list of commands, no torch or Lightning imported), `list` (imports the
-  registries, hence torch and Lightning) and `fit --help` (Lightning's parser);
+- `--help` (the list of commands) and `fit --help` (a run's keys and where each list is), no torch
+  or Lightning imported; `list` (imports the registries, hence torch and Lightning) and
+  `fit --help=full` (Lightning's parser);
 - each user error the light check (`workbench.command_line`) catches before Lightning is
   imported: a missing or broken `--config`, an unknown method (flag or config, a case-only typo),
   a bad `--engine`/`--wandb` choice, a missing `--ckpt_path`; each also with the light check
@@ -45,6 +46,7 @@ def cases(tmp: Path) -> list[tuple[str, list[str], str]]:
         ("`python -m workbench --help`", ["--help"], "help"),
         ("`python -m workbench list`", ["list"], "help"),
         ("`python -m workbench fit --help`", ["fit", "--help"], "help"),
+        ("`python -m workbench fit --help=full`", ["fit", "--help=full"], "help"),
         ("missing --config", ["fit", "--config", str(tmp / "nope.yaml")], "light"),
         ("--config not YAML", ["fit", "--config", str(tmp / "broken.yaml")], "light"),
         ("unknown --model (case only)", ["fit", *TINY, "--model=Scaffold", *out], "light"),

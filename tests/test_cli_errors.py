@@ -170,14 +170,27 @@ def test_predict_and_unknown_commands_are_refused_with_the_list(capsys):
 
 
 @pytest.mark.subprocess
-def test_help_starts_without_torch_or_lightning():
-    """`--help` answers from `workbench.console` alone (the README gives its time)."""
-    code = ("import sys, workbench.__main__ as m; m.main(['--help']); "
+@pytest.mark.parametrize("args, shown", [(["--help"], "commands:"), (["fit", "--help"], "--model.help AFL")])
+def test_help_starts_without_torch_or_lightning(args, shown):
+    """`--help` and `fit --help` answer from `workbench.console` and `workbench.command_line` alone
+    (the README gives the first's time; Lightning's full parser takes some 10 s to import)."""
+    code = (f"import sys, workbench.__main__ as m; m.main({args!r}); "
             "heavy = [n for n in ('torch', 'lightning', 'jsonargparse') if n in sys.modules]; "
             "sys.exit(len(heavy))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert "commands:" in done.stdout
+    assert shown in done.stdout
+
+
+@pytest.mark.parametrize("command", ["fit", "validate", "test"])
+def test_a_commands_help_names_the_keys_and_where_each_list_is(command, capsys):
+    assert main([command, "--config", "configs/demo.yaml", "-h"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: python -m workbench {command} --config FILE")
+    assert all(name in out for name in METHODS) and "--model.num_rounds" in out and "--data.alpha" in out
+    for pointer in ("--model.help AFL", "--data.help FederatedDataModule", "--print_config", "--help=full"):
+        assert f"python -m workbench {command} " in out and pointer in out
+    assert len(out.splitlines()) < 30
 
 
 def test_list_prints_methods_datasets_backbones_partitions_and_engines(capsys):

@@ -13,7 +13,7 @@ import os
 import sys
 from importlib import import_module
 
-from workbench.command_line import check
+from workbench.command_line import check, short_help
 from workbench.console import COMMANDS, DEBUG_ENV, DEBUG_FLAG, print_user_error, usage, user_error
 
 # Subcommands with parsers of their own; Lightning is not imported for them.
@@ -34,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"{usage()}\nerror: unknown command {command!r}", file=sys.stderr)
         return 2
+    if any(arg in ("-h", "--help") for arg in args[1:]) and command not in TOOLS:
+        print(short_help(command, COMMANDS[command]))
+        return 0
+    args = [("--help" if arg == "--help=full" else arg) for arg in args]  # Lightning's parser in full
     try:
         if command in TOOLS:
             return import_module(TOOLS[command]).main(args[1:])
@@ -56,4 +60,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.argv[0] = "python -m workbench"  # argparse's prog: every usage line reads as the command typed
     sys.exit(main())

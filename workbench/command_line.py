@@ -38,6 +38,37 @@ def usage_line(command: str) -> str:
             f"(python -m workbench {command} --help lists the keys)")
 
 
+#: the keys of a run that are not a method's or the data's (`WorkbenchCLI.add_arguments_to_parser`)
+_RUN_KEYS = ("--engine lightning|flower", "--wandb auto|online|offline|disabled", "--ckpt_path FILE (resume a run)")
+
+
+def short_help(command: str, what: str) -> str:
+    """`python -m workbench fit --help`: what a run is made of and where each list of keys is, in
+    a fraction of a second (Lightning's parser lists several hundred keys, mostly the Trainer's,
+    after some 10 s of imports: `--help=full`)."""
+    import textwrap
+
+    run = f"python -m workbench {command}"
+    what = what.split(" (")[0]
+    methods = textwrap.wrap(f"the method: {', '.join(METHODS)}", 78)
+    return "\n".join([
+        f"usage: {run} --config FILE [--config FILE ...] [--KEY=VALUE ...]", "",
+        *textwrap.wrap(f"{what[0].upper()}{what[1:]}. A config names the method (model) and the data; configs "
+                       "compose (a later one wins) and every key can be set on the command line, e.g. "
+                       "--model.num_rounds=10 --data.alpha=0.1.", 99), "",
+        "  -c, --config FILE    a config file, e.g. configs/demo.yaml; repeat to compose",
+        f"  --model CLASS        {methods[0]}", *(f"{'':23}{line}" for line in methods[1:]),
+        "  --model.KEY=VALUE    one of the method's settings (num_rounds, local.lr, gamma, ...)",
+        "  --data.KEY=VALUE     one of the data's settings (dataset, backbone, num_clients, partition, alpha, ...)",
+        *(f"  {key}" for key in _RUN_KEYS),
+        "  --trainer.KEY=VALUE  Lightning's Trainer", "",
+        f"One method's settings:  {run} --model.help AFL",
+        f"The data's settings:    {run} --data.help FederatedDataModule",
+        f"A config in full:       {run} --config configs/demo.yaml --print_config",
+        f"Every key (Lightning's parser, several hundred lines): {run} --help=full",
+        "The methods and the configs that run them: python -m workbench list"])
+
+
 def config_files(args: list[str], cwd: Path) -> list[Path]:
     """The `--config` files of a command line run in `cwd`, in order."""
     files = []
