@@ -16,10 +16,23 @@ from pathlib import Path
 
 from workbench.console import DEBUG_ENV, DEBUG_HINT, unknown_class_message
 
-#: the methods `--model` accepts by name, in the order `python -m workbench list` gives them.
-#: A new method goes here too: tests/test_cli_start.py compares this with `workbench.catalog.method_classes()`.
-METHODS = ("AFL", "AnaPFL", "DeepAFL", "Ditto", "Fed3R", "FedAdagrad", "FedAdam", "FedAvg", "FedAvgM", "FedNCM",
-           "FedProx", "FedYogi", "GHOFL", "LocalOnly", "OSFED", "SAFLe", "SCAFFOLD")
+
+def exported_methods() -> tuple[str, ...]:
+    """The methods `workbench/methods/__init__.py` exports (its `__all__`, less what it re-exports
+    from the contract, `methods/base.py`), read from its source without importing torch: the one
+    list a method is added to, in the order `python -m workbench list` gives them."""
+    import ast
+
+    tree = ast.parse((Path(__file__).parent / "methods" / "__init__.py").read_text())
+    exported = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                    and any(isinstance(target, ast.Name) and target.id == "__all__" for target in node.targets))
+    contract = {alias.asname or alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
+                and node.module == "workbench.methods.base" for alias in node.names}
+    return tuple(sorted((name for name in exported if name not in contract), key=str.lower))
+
+
+#: the methods `--model` accepts by name (tests/test_cli_start.py: the catalog's, the same order)
+METHODS = exported_methods()
 #: the other classes the parser finds by a short name (bases of the methods): left to it
 OTHER_METHOD_CLASSES = ("FederatedMethod", "GradientMethod", "ServerOptimizer")
 #: the choices of the top-level options that have them (`WorkbenchCLI.add_arguments_to_parser`)

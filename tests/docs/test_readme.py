@@ -32,3 +32,22 @@ def test_every_benchmark_script_is_in_its_table():
     section = README[README.index("## Benchmarks"):README.index("## Documentation")]
     scripts = {path.name for path in (ROOT / "benchmarks").glob("*.py")}
     assert not {script for script in scripts if f"`{script}`" not in section}
+
+
+def methods_table(text: str) -> list[str]:
+    """The rows of the first table whose header begins `| method | `class_path` |`."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| method | `class_path` |"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return lines[start:end]
+
+
+def test_the_methods_table_is_the_docs_one_and_names_every_method():
+    """Written twice (the front page and docs/methods/index.md), checked once: the same rows, and
+    every method `--model` accepts (read from workbench/methods/__init__.py) in a `class_path` cell."""
+    from workbench.command_line import METHODS
+
+    table = methods_table(README)
+    assert table == methods_table((ROOT / "docs/methods/index.md").read_text())
+    named = {name for row in table[2:] for name in re.findall(r"`(\w+)`", row.split("|")[2])}
+    assert set(METHODS) <= named, f"add a row (README.md and docs/methods/index.md) for {sorted(set(METHODS) - named)}"
