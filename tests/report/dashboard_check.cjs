@@ -15,6 +15,8 @@ checkPage(1400, async (page, seen, screenshot) => {
   seen.groups = await page.$$eval("#group option", (options) => options.map((option) => option.value));
   seen.figures = await page.$$eval(".figures [id^=fig-]", (divs) => divs.map((div) => [div.id, div.querySelector(".main-svg") ? "plot" : "note"]));
 
+  seen.toggle_labels = await page.$$eval("#column-toggles label", (labels) => labels.map((l) => l.textContent.trim()));
+
   // a filter hides rows
   await page.click('fieldset[data-filter="method"] input[value="FedAvg"]');
   seen.rows_without_fedavg = await rows();
@@ -31,8 +33,9 @@ checkPage(1400, async (page, seen, screenshot) => {
   seen.sorted_bytes = await page.$$eval('#runs tbody tr', (trs) => trs.map((tr) => {
     const cells = Array.from(tr.parentElement.parentElement.tHead.rows[0].cells);
     const i = cells.findIndex((th) => th.dataset.key === "comm/bytes_up_per_client");
-    return parseFloat(tr.cells[i].dataset.value);
+    return [tr.dataset.group, parseFloat(tr.cells[i].dataset.value)];
   }));
+  seen.group_order = await page.$$eval("#group option", (options) => options.map((option) => option.value));
 
   // hovering a point of the final-score figure shows its run and values
   const point = await page.$("#fig-final .scatterlayer .trace .points path");

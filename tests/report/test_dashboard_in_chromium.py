@@ -19,10 +19,18 @@ def test_the_page_works_in_chromium(report, run_dir, tmp_path):
     assert seen["table_fits"], seen["table_widths"]  # at 1400 px, no column off-screen (table, room)
     assert [name for row in seen["rows_without_fedavg"] for name in row.split()] == [
         name for row in seen["rows"] for name in row.split() if "fedavg" not in name]  # the filter hid FedAvg's
+    labels = seen["toggle_labels"]
+    assert "test/acc/lda (one run)" in labels and "model.gamma" not in " ".join(labels)  # one run has it; constant
+    assert {"partition", "K", "dataset"} <= set(labels)  # they vary: no "(same)"
     down = "comm/bytes_down_per_client"
     assert down not in seen["headers"] and down in seen["headers_toggled"]
     assert "engine" in seen["headers"] and "engine" not in seen["headers_toggled"]
-    assert seen["sorted_bytes"] == sorted(seen["sorted_bytes"], reverse=True)
+    # a header's sort keeps each group of comparable runs together, and bytes go fewest (best) first
+    groups = [group for group, _ in seen["sorted_bytes"]]
+    assert groups == sorted(groups, key=seen["group_order"].index) and len(set(groups)) > 1
+    for group in set(groups):
+        values = [value for g, value in seen["sorted_bytes"] if g == group and value == value]  # NaN: no bytes
+        assert values == sorted(values), (group, values)
     assert "version_0" in seen["hover"] and "test/acc 0." in seen["hover"] and "kB" in seen["hover"]
     assert seen["personal_axis"] == "test/acc_local_mean"  # a personalized group's figure: the clients' score
     assert dict(seen["figures"])["fig-final"] == "plot" and dict(seen["figures"])["fig-rounds"] == "plot"

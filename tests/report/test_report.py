@@ -122,11 +122,14 @@ def test_repeats_are_one_row_with_mean_std_and_n(board, runs):
 def test_the_table_shows_what_varies_and_keeps_the_rest_a_toggle_away(board):
     shown = {column["key"] for column in board["columns"] if column["shown"]}
     hidden = {column["key"] for column in board["columns"] if not column["shown"]}
-    # the group of comparable runs stands for the fields it is made of; the settings that vary are shown
-    assert {"method", "engine", "group", "model.local.lr", "data.synthetic.separation", "test/acc",
-            "test/acc_local_mean", "curve/best", "comm/rounds", "comm/bytes_up_per_client", "time/fit_s"} <= shown
-    assert {"dataset", "inputs", "protocol", "partition", "K", "test/acc/lda", "test/acc/nb_diag",
-            "comm/bytes_down_per_client"} <= hidden  # GH-OFL's heads: one run has them
+    # the settings that vary are shown, the fields of the group of comparable runs among them
+    assert {"method", "engine", "dataset", "protocol", "partition", "K", "model.local.lr",
+            "data.synthetic.separation", "test/acc", "test/acc_local_mean", "curve/best", "comm/rounds",
+            "comm/bytes_up_per_client", "time/fit_s"} <= shown
+    assert {"test/acc/lda", "test/acc/nb_diag", "comm/bytes_down_per_client"} <= hidden  # GH-OFL's heads: one run
+    assert next(c for c in board["columns"] if c["key"] == "test/acc/lda")["runs"] == 1
+    varying = {column["key"] for column in board["columns"] if column["varies"]}
+    assert {"dataset", "inputs", "protocol", "partition", "K"} & varying <= shown
     assert "model.gamma" not in shown and board["constant"]["model.gamma"] == 1.0  # every run that has it: 1
     assert "model.local.batch_size" not in {column["key"] for column in board["columns"]}  # the same everywhere
     head = next(row for row in board["rows"] if "test/acc/lda" in row["cells"] and row["cells"]["test/acc/lda"][2])

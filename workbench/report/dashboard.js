@@ -28,9 +28,9 @@
     metric: data.metric,
     group: data.groups.length ? data.groups[0].id : null,
     cost: "comm/bytes_up_per_client",
-    // rows of one group together, best first; a click on a header sorts by it, ties by the last order
-    sort: data.groups.length > 1 ? [{ key: "group", descending: false }, { key: data.metric, descending: true }]
-      : [{ key: data.metric, descending: true }],
+    // best first; a click on a header sorts by it, ties by the last order (rows of one group of
+    // comparable runs always stay together: `order()`)
+    sort: [{ key: data.metric, descending: true }],
   };
 
   // ---- text ---------------------------------------------------------------------------------
@@ -129,8 +129,10 @@
         if (input.checked) state.shown.add(column.key); else state.shown.delete(column.key);
         renderTable();
       });
-      return el("label", { title: column.varies ? "varies among the runs" : "the same in every run" }, input,
-        " " + column.key + (column.varies ? "" : " (same)"));
+      const alone = !column.varies && column.runs === 1;
+      return el("label", { title: column.varies ? "varies among the runs" : alone ? "only one run has it"
+        : "the same in every run that has it" }, input,
+        " " + column.key + (column.varies ? "" : alone ? " (one run)" : " (same)"));
     }));
     const group = document.getElementById("group");
     group.replaceChildren(...data.groups.map((g) => el("option", { value: g.id, selected: g.id === state.group,
@@ -147,11 +149,15 @@
     if (typeof cell === "string") return cell.toLowerCase();
     return cell && cell[2] ? cell[0] : null;
   }
+  function order() {  // the groups first (a sort never mixes incomparable runs), then the reader's
+    const byGroup = data.groups.length > 1 && state.sort[0].key !== "group";
+    return byGroup ? [{ key: "group", descending: false }, ...state.sort] : state.sort;
+  }
   function renderTable() {
     const columns = data.columns.filter((column) => state.shown.has(column.key));
     const rows = visibleRows();
     rows.sort((a, b) => {
-      for (const { key, descending } of state.sort) {
+      for (const { key, descending } of order()) {
         const x = sortKey(a, key), y = sortKey(b, key);
         if (x === null || y === null) {
           if (x !== y) return (x === null) - (y === null);  // blanks last
@@ -168,8 +174,9 @@
       const th = el("th", { class: numeric ? "num" : "text", title: column.key, "data-key": column.key,
         "aria-sort": column.key === key ? (descending ? "descending" : "ascending") : null,
         text: shortHeader(column.key).replace(/([_/])/g, "$1\u200b") });  // a long header may wrap after _ or /
-      th.addEventListener("click", () => {  // numbers start best-first, text A-first; a second click reverses
-        const first = { key: column.key, descending: column.key === key ? !descending : numeric };
+      th.addEventListener("click", () => {  // best first (the largest accuracy, the fewest bytes, seconds,
+        // rounds), text A-first; a second click reverses
+        const first = { key: column.key, descending: column.key === key ? !descending : column.kind === "accuracy" };
         state.sort = [first, ...state.sort.filter((order) => order.key !== column.key)].slice(0, 3);
         renderTable();
       });

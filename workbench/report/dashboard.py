@@ -265,18 +265,22 @@ def table_columns(records: list[dict[str, Any]], metric: str, heads: list[str],
     if metric not in {m.key for m in metrics}:
         metrics.insert(0, Metric(metric, metric, "accuracy"))
     personalized = any(record["values"]["protocol"] == "personalized" for record in records)
+    # an identity field that varies is shown: the group's id alone does not say what differs between
+    # two rows (the table keeps each group's rows together; its id is a toggle away)
     columns = [{"key": key, "header": key, "kind": "count" if key == "K" else "text", "varies": varies(key),
-                "shown": varies(key) and not (several_groups and key in COMPARABLE)} for key in IDENTITY[:2]]
-    columns.append({"key": "group", "header": "group", "kind": "text", "varies": several_groups,
-                    "shown": several_groups})
+                "shown": varies(key)} for key in IDENTITY[:2]]
+    columns.append({"key": "group", "header": "group", "kind": "text", "varies": several_groups, "shown": False})
     columns += [{"key": key, "header": key, "kind": "count" if key == "K" else "text", "varies": varies(key),
-                 "shown": varies(key) and not several_groups} for key in IDENTITY[2:]]
+                 "shown": varies(key)} for key in IDENTITY[2:]]
     columns += [{"key": key, "header": key, "kind": "config", "varies": True, "shown": True}
                 for key in config_keys if varies(key)]
     columns += [{"key": m.key, "header": m.header, "kind": m.kind, "varies": varies(m.key),
                  "shown": present(m.key) and (m.key in (metric, *SHOWN_METRICS)
                                               or (m.key == "test/acc_local_mean" and personalized))}
                 for m in metrics if present(m.key) or m.key == metric]
+    for column in columns:  # how many runs have it: a key one run alone has is not "the same in every run"
+        column["runs"] = len(records) if column["key"] == "group" else \
+            sum(record["values"].get(column["key"]) is not None for record in records)
     constant = {key: next(r["values"][key] for r in records if r["values"].get(key) is not None)
                 for key in [*IDENTITY, *config_keys] if not varies(key) and present(key)}
     return columns, constant
