@@ -15,6 +15,22 @@ checkPage(1400, async (page, seen, screenshot) => {
   seen.groups = await page.$$eval("#group option", (options) => options.map((option) => option.value));
   seen.figures = await page.$$eval(".figures [id^=fig-]", (divs) => divs.map((div) => [div.id, div.querySelector(".main-svg") ? "plot" : "note"]));
 
+  seen.alpha_ticks = await page.$$eval("#fig-alpha .xtick text", (texts) => texts.map((t) => t.textContent));
+  seen.alpha_range = await page.evaluate(() => document.getElementById("fig-alpha")._fullLayout.yaxis.range);
+  seen.alpha_title = await page.$eval("#fig-alpha .gtitle", (title) => title.textContent);
+  // each figure's toolbar, shown on hover, clear of its title
+  seen.toolbar_overlaps = [];
+  for (const id of ["fig-rounds", "fig-upload", "fig-final", "fig-parallel", "fig-alpha", "fig-depth"]) {
+    const figure = await page.$(`#${id} .main-svg`);
+    if (!figure) continue;
+    await figure.scrollIntoViewIfNeeded();
+    const area = await figure.boundingBox();  // Plotly's layers take the pointer: move the mouse there
+    await page.mouse.move(area.x + area.width / 2, area.y + area.height / 2);
+    const [title, bar] = [await page.$(`#${id} .gtitle`), await page.$(`#${id} .modebar`)];
+    if (!title || !bar) continue;
+    const [a, b] = [await title.boundingBox(), await bar.boundingBox()];
+    if (a.x < b.x + b.width && b.x < a.x + a.width && a.y < b.y + b.height && b.y < a.y + a.height) seen.toolbar_overlaps.push(id);
+  }
   seen.toggle_labels = await page.$$eval("#column-toggles label", (labels) => labels.map((l) => l.textContent.trim()));
 
   // a filter hides rows

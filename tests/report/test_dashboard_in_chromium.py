@@ -19,6 +19,11 @@ def test_the_page_works_in_chromium(report, run_dir, tmp_path):
     assert seen["table_fits"], seen["table_widths"]  # at 1400 px, no column off-screen (table, room)
     assert [name for row in seen["rows_without_fedavg"] for name in row.split()] == [
         name for row in seen["rows"] for name in row.split() if "fedavg" not in name]  # the filter hid FedAvg's
+    # the α figure: a label at each α run (no bare minor digits), its axis around AFL's flat 0.998
+    assert seen["alpha_ticks"] == ["0.1", "0.5"], seen["alpha_ticks"]
+    assert 0.9 < seen["alpha_range"][0] < 0.998 < seen["alpha_range"][1] < 1.1, seen["alpha_range"]
+    assert seen["alpha_title"].startswith("accuracy against the Dirichlet α")  # the tutorial's name for it
+    assert seen["toolbar_overlaps"] == []  # no figure's toolbar covers its title
     labels = seen["toggle_labels"]
     assert "test/acc/lda (one run)" in labels and "model.gamma" not in " ".join(labels)  # one run has it; constant
     assert {"partition", "K", "dataset"} <= set(labels)  # they vary: no "(same)"

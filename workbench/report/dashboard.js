@@ -223,10 +223,12 @@
     const target = document.getElementById(id);
     if (!target.dataset.plotted) target.replaceChildren();
     target.dataset.plotted = "1";
+    // the title starts at the plot's left edge, clear of the toolbar at the top right
+    const title = Object.assign({ x: 0, xref: "paper", xanchor: "left", font: { size: 14 } }, layout.title);
     Plotly.react(target, traces, Object.assign({
       margin: { t: 40, r: 10, b: 50, l: 60 }, height: 380, hovermode: "closest",
       legend: { title: { text: state.groupBy }, font: { size: 11 } },
-    }, layout), PLOT_CONFIG);
+    }, layout, { title }), PLOT_CONFIG);
   }
   function integerAxis(title, values) {
     const top = Math.max(1, ...values.filter((v) => v !== null));
@@ -238,7 +240,15 @@
     return { title: { text: title + " (log scale)" }, type: "log", exponentformat: "SI", ticksuffix: "B",
       dtick: decades > 2 ? 1 : "D2" };
   }
-  function scoreAxis(group) { return { title: { text: group ? group.score : state.metric } }; }
+  function scoreAxis(group, values) {  // around the points drawn (a flat line is not padded out to 0..2)
+    const axis = { title: { text: group ? group.score : state.metric } };
+    const finite = (values || []).filter((v) => Number.isFinite(v));
+    if (finite.length) {
+      const low = Math.min(...finite), high = Math.max(...finite), pad = Math.max((high - low) * 0.15, 0.01);
+      axis.range = [Math.max(0, low - pad), high + pad];
+    }
+    return axis;
+  }
 
   function curveTraces(runs, x) {  // one trace per run, one legend entry per group value
     const seen = new Set();
@@ -312,7 +322,8 @@
       title: { text: `final ${score} against ${COSTS[cost]}` },
       xaxis: cost.startsWith("comm/bytes") ? bytesAxis(COSTS[cost], points.map((r) => r.cells[cost][0]))
         : log ? { title: { text: COSTS[cost] + " (log scale)" }, type: "log" } : integerAxis(COSTS[cost], front.map((r) => r.cells[cost][0])),
-      yaxis: scoreAxis(group),
+      yaxis: scoreAxis(group, points.flatMap((r) => [r.cells[score][0] - (r.cells[score][1] || 0),
+        r.cells[score][0] + (r.cells[score][1] || 0)])),
     });
   }
   function shownMetric() {  // the metric picked, or the group's score where the page's metric means it
@@ -349,6 +360,8 @@
       note("fig-alpha", "No setting of these runs but its Dirichlet α was run at two or more α.");
       return;
     }
+    // its lines join this group to the groups that differ from it in α alone (α is part of a group)
+    const alphas = [...new Set(lines.flatMap((line) => line.points.map((p) => p.alpha)))].sort((a, b) => a - b);
     plot("fig-alpha", lines.map((line) => {
       const style = styleOf(line.group_value);
       return { type: "scatter", mode: "lines+markers", name: line.label, x: line.points.map((p) => p.alpha),
@@ -356,9 +369,13 @@
         marker: { color: style.color, symbol: style.symbol }, line: { color: style.color },
         customdata: line.points.map((p) => p.n),
         hovertemplate: `<b>${line.label}</b><br>α %{x}<br>${group.score} %{y:.4f} (n=%{customdata})<extra></extra>` };
-    }), { title: { text: `${group.score} against the partition's skew (flat: invariant)` },
-      xaxis: { title: { text: "Dirichlet α (log scale; small = strong label skew)" }, type: "log" },
-      yaxis: scoreAxis(group), legend: { font: { size: 11 } } });
+    }), { title: { text: "accuracy against the Dirichlet α (flat: invariant)" },
+      // a label at each α run, not the log axis's bare minor digits
+      xaxis: { title: { text: "Dirichlet α (log scale; small = strong label skew)" }, type: "log",
+        tickvals: alphas, ticktext: alphas.map(label) },
+      yaxis: scoreAxis(group, lines.flatMap((line) => line.points.flatMap((p) => [p.mean - (p.std || 0),
+        p.mean + (p.std || 0)]))), legend: { font: { size: 11 } } });
+    document.getElementById("fig-alpha").dataset.alphas = alphas.join(" ");
   }
   function renderDepth() {
     const runs = groupRuns().filter((run) => run.depth);
