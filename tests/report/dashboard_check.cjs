@@ -31,6 +31,7 @@ checkPage(1400, async (page, seen, screenshot) => {
     const [a, b] = [await title.boundingBox(), await bar.boundingBox()];
     if (a.x < b.x + b.width && b.x < a.x + a.width && a.y < b.y + b.height && b.y < a.y + a.height) seen.toolbar_overlaps.push(id);
   }
+  seen.parallel_axes = await page.evaluate(() => document.getElementById("fig-parallel")._fullData[0].dimensions.map((d) => d.label));
   seen.toggle_labels = await page.$$eval("#column-toggles label", (labels) => labels.map((l) => l.textContent.trim()));
 
   // a filter hides rows

@@ -24,6 +24,7 @@ def test_the_page_works_in_chromium(report, run_dir, tmp_path):
     assert 0.9 < seen["alpha_range"][0] < 0.998 < seen["alpha_range"][1] < 1.1, seen["alpha_range"]
     assert seen["alpha_title"].startswith("accuracy against the Dirichlet α")  # the tutorial's name for it
     assert seen["toolbar_overlaps"] == []  # no figure's toolbar covers its title
+    assert {"rounds", "MB up / client", "fit s", "test/acc"} <= set(seen["parallel_axes"]), seen["parallel_axes"]
     labels = seen["toggle_labels"]
     assert "test/acc/lda (one run)" in labels and "model.gamma" not in " ".join(labels)  # one run has it; constant
     assert {"partition", "K", "dataset"} <= set(labels)  # they vary: no "(same)"

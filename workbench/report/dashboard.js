@@ -347,6 +347,14 @@
       return { label: shortHeader(key), values: values.map((v) => texts.indexOf(label(v))),
         tickvals: texts.map((_, i) => i), ticktext: texts };
     });
+    // what each run cost, where it differs: rounds, upload (MB, a linear axis), fit time
+    for (const [key, name, scale] of [["comm/rounds", "rounds", 1], ["comm/bytes_up_per_client", "MB up / client", 1e-6],
+      ["time/fit_s", "fit s", 1]]) {
+      const values = runs.map((run) => run.values[key]);
+      if (values.every((v) => typeof v === "number") && new Set(values).size > 1) {
+        dimensions.push({ label: name, values: values.map((v) => v * scale) });
+      }
+    }
     const scores = runs.map((run) => run.values[metric]);
     dimensions.push({ label: metric, values: scores });
     plot("fig-parallel", [{ type: "parcoords", dimensions,
