@@ -88,7 +88,7 @@ def pytest_collectreport(report):  # a module skipped as a whole (pytest.importo
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
+    a, b = a.detach().double(), b.detach().double()  # a comparison: no autograd graph (nor its warning)
     scale = torch.linalg.norm(b)
     return float(torch.linalg.norm(a - b) / scale) if scale > 0 else float(torch.linalg.norm(a))
 
