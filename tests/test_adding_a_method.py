@@ -8,7 +8,6 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -79,6 +78,7 @@ def test_a_method_added_by_the_guides_steps_alone_runs(tmp_path):
     for method in ("ToyAvg", "FedAvg"):
         done = workbench("fit", "--config", f"{method}.yaml")
         assert done.returncode == 0, done.stderr[-3000:]
-        finals[method] = metrics(last_run(tmp_path / "runs"))["test/acc"]
-        assert Path(last_run(tmp_path / "runs")).name == "version_0"
+        run = last_run(tmp_path / "runs")
+        assert run.name == "version_0"
+        finals[method] = metrics(run)["test/acc"]
     assert finals["ToyAvg"] == pytest.approx(finals["FedAvg"], abs=1e-12)  # c = 1 is FedAvg

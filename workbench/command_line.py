@@ -51,10 +51,6 @@ def usage_line(command: str) -> str:
             f"(python -m workbench {command} --help lists the keys)")
 
 
-#: the keys of a run that are not a method's or the data's (`WorkbenchCLI.add_arguments_to_parser`)
-_RUN_KEYS = ("--engine lightning|flower", "--wandb auto|online|offline|disabled", "--ckpt_path FILE (resume a run)")
-
-
 def short_help(command: str, what: str) -> str:
     """`python -m workbench fit --help`: what a run is made of and where each list of keys is, in
     a fraction of a second (Lightning's parser lists several hundred keys, mostly the Trainer's,
@@ -73,7 +69,8 @@ def short_help(command: str, what: str) -> str:
         f"  --model CLASS        {methods[0]}", *(f"{'':23}{line}" for line in methods[1:]),
         "  --model.KEY=VALUE    one of the method's settings (num_rounds, local.lr, gamma, ...)",
         "  --data.KEY=VALUE     one of the data's settings (dataset, backbone, num_clients, partition, alpha, ...)",
-        *(f"  {key}" for key in _RUN_KEYS),
+        *(f"  --{option} {'|'.join(choices)}" for option, choices in CHOICES.items()),
+        "  --ckpt_path FILE     resume a run",
         "  --trainer.KEY=VALUE  Lightning's Trainer", "",
         f"One method's settings:  {run} --model.help AFL",
         f"The data's settings:    {run} --data.help FederatedDataModule",

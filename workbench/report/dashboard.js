@@ -240,6 +240,7 @@
     return { title: { text: title + " (log scale)" }, type: "log", exponentformat: "SI", ticksuffix: "B",
       dtick: decades > 2 ? 1 : "D2" };
   }
+  function band(mean, std) { return [mean - (std || 0), mean + (std || 0)]; }  // a point with its error bar
   function scoreAxis(group, values) {  // around the points drawn (a flat line is not padded out to 0..2)
     const axis = { title: { text: group ? group.score : state.metric } };
     const finite = (values || []).filter((v) => Number.isFinite(v));
@@ -322,8 +323,7 @@
       title: { text: `final ${score} against ${COSTS[cost]}` },
       xaxis: cost.startsWith("comm/bytes") ? bytesAxis(COSTS[cost], points.map((r) => r.cells[cost][0]))
         : log ? { title: { text: COSTS[cost] + " (log scale)" }, type: "log" } : integerAxis(COSTS[cost], front.map((r) => r.cells[cost][0])),
-      yaxis: scoreAxis(group, points.flatMap((r) => [r.cells[score][0] - (r.cells[score][1] || 0),
-        r.cells[score][0] + (r.cells[score][1] || 0)])),
+      yaxis: scoreAxis(group, points.flatMap((r) => band(r.cells[score][0], r.cells[score][1]))),
     });
   }
   function shownMetric() {  // the metric picked, or the group's score where the page's metric means it
@@ -381,9 +381,8 @@
       // a label at each α run, not the log axis's bare minor digits
       xaxis: { title: { text: "Dirichlet α (log scale; small = strong label skew)" }, type: "log",
         tickvals: alphas, ticktext: alphas.map(label) },
-      yaxis: scoreAxis(group, lines.flatMap((line) => line.points.flatMap((p) => [p.mean - (p.std || 0),
-        p.mean + (p.std || 0)]))), legend: { font: { size: 11 } } });
-    document.getElementById("fig-alpha").dataset.alphas = alphas.join(" ");
+      yaxis: scoreAxis(group, lines.flatMap((line) => line.points.flatMap((p) => band(p.mean, p.std)))),
+      legend: { font: { size: 11 } } });
   }
   function renderDepth() {
     const runs = groupRuns().filter((run) => run.depth);
