@@ -63,7 +63,7 @@ def fit(method, datamodule) -> tuple[float, dict[str, float]]:
 def fit_clocked(method, datamodule, clock: RoundClock) -> None:
     """Fit `method` with `clock` timing its rounds (`fit_engine` takes no callbacks); no test:
     DeepAFL's accuracy at every depth comes from the fit (`depth_accuracy`)."""
-    trainer = Trainer(max_epochs=max(method.num_rounds, 1), logger=False, enable_checkpointing=False,
+    trainer = Trainer(logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                       callbacks=[clock])
     trainer.fit(LightningEngine(method), datamodule=datamodule)

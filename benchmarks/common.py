@@ -50,7 +50,7 @@ def fit_engine(method, datamodule, federation=None, test: bool = True, stopping=
     from workbench.engines import LightningEngine
 
     engine = LightningEngine(method, federation, stopping=stopping, eval_every=eval_every)
-    trainer = Trainer(max_epochs=max(method.num_rounds, 1), logger=False, enable_checkpointing=False,
+    trainer = Trainer(logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                       **trainer_options)
     trainer.fit(engine, datamodule=datamodule)

@@ -77,7 +77,6 @@ def run(method, datamodule: FederatedDataModule) -> list[dict[str, float]]:
     log = RoundLog(datamodule.test_features, datamodule.test_labels)
     engine = LightningEngine(method)
     trainer = Trainer(
-        max_epochs=method.num_rounds,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

@@ -185,7 +185,7 @@ def fit_once(method, datamodule, engine_name: str, make_method=None):
     times = RoundTimes()
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory(prefix="flower-bench-") as root:
-        trainer = simulation.quiet_trainer(method.num_rounds, default_root_dir=root, callbacks=[times])
+        trainer = simulation.quiet_trainer(default_root_dir=root, callbacks=[times])
         alone = ClientsAlone(make_method, datamodule) if engine_name == "alone" else None
         engine = LightningEngine(method, clients=alone)
         start = time.perf_counter()

@@ -67,9 +67,8 @@ METHODS = {
 GLOBAL_PART = {"AnaPFL": "global branch", "Ditto": "global model"}  # its model without personalization
 
 
-def quiet_trainer(rounds: int) -> Trainer:
-    return Trainer(max_epochs=max(rounds, 1),  # a method without rounds (local-only) runs one local pass
-                   logger=False, enable_checkpointing=False, enable_progress_bar=False,
+def quiet_trainer() -> Trainer:
+    return Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False,
                    enable_model_summary=False, num_sanity_val_steps=0)
 
 
@@ -86,7 +85,7 @@ def run(name: str, dm: FederatedDataModule) -> list[dict]:
     """Fit and test one method on one setting -> table rows."""
     method = METHODS[name]()
     engine = LightningEngine(method)
-    trainer = quiet_trainer(method.num_rounds)
+    trainer = quiet_trainer()
     cpu_start = time.process_time()
     trainer.fit(engine, datamodule=dm)
     fit_cpu_s = time.process_time() - cpu_start

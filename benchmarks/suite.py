@@ -233,7 +233,7 @@ def main() -> None:
     args = parser.parse_args()
     for notice in (".*configure_optimizers.* returned `None`", ".*does not have many workers",
                    ".*Total length of .* across ranks is zero", ".*LeafSpec.*", ".*GPU available.*",
-                   ".*TPU available.*", ".*`max_epochs` was not set.*"):
+                   ".*TPU available.*"):
         warnings.filterwarnings("ignore", message=notice)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning import Trainer
+from lightning import Callback, Trainer
 
 from workbench.data import FederatedDataModule
 from workbench.engines import LightningEngine
@@ -25,19 +25,30 @@ os.environ["WANDB_MODE"] = "disabled"  # tests never talk to W&B
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
-def quiet_trainer(method, **settings) -> Trainer:
-    """A Lightning Trainer for a method's full fit, with no logs, bars or checkpoints (a round is
-    one step: with a logger, every round is logged)."""
-    return Trainer(**{"max_epochs": max(method.num_rounds, 1), "logger": False, "enable_checkpointing": False,
-                      "enable_progress_bar": False, "enable_model_summary": False, "num_sanity_val_steps": 0,
-                      "log_every_n_steps": 1, **settings})
+def quiet_trainer(**settings) -> Trainer:
+    """A Lightning Trainer for a method's full fit (the engine sets its epochs from the rounds),
+    with no logs, bars or checkpoints (a round is one step: with a logger, every round is logged)."""
+    return Trainer(**{"logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+                      "enable_model_summary": False, "num_sanity_val_steps": 0, "log_every_n_steps": 1, **settings})
+
+
+class InterruptAfter(Callback):
+    """Stops a fit after `rounds` rounds as an interruption would: unfitted, resumable from its
+    checkpoint (a Trainer limited to fewer epochs than the rounds is refused)."""
+
+    def __init__(self, rounds: int):
+        self.rounds = rounds
+
+    def on_train_epoch_end(self, trainer: Trainer, module) -> None:
+        if trainer.current_epoch + 1 >= self.rounds:
+            trainer.should_stop = True
 
 
 def fit(method, datamodule, federation=None):
     """Run a method's full fit in process through a quiet Lightning Trainer; returns the engine
     (`engine.fit_metrics`, `engine.trainer`)."""
     engine = LightningEngine(method, federation)
-    quiet_trainer(method).fit(engine, datamodule=datamodule)
+    quiet_trainer().fit(engine, datamodule=datamodule)
     return engine
 
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import ROOT
 from workbench.cli import main
@@ -170,3 +172,72 @@ def test_a_full_disk_is_one_line_naming_the_folder_with_the_last_checkpoint_inta
     assert sorted(path.name for path in version.iterdir()) == ["config.yaml", "hparams.yaml", "last.ckpt",
                                                                "metrics.csv", "status.json"]  # no temporary left
     assert not list(system_temp.iterdir())
+
+
+def test_a_trainer_limited_to_fewer_epochs_than_the_rounds_is_refused_and_none_is_needed(tmp_path):
+    """One epoch is one round: the engine sets the Trainer's epochs from the method's rounds, and
+    a limit below them (once an unfitted model without a word) is one line, before any run folder."""
+    from lightning import Trainer
+
+    from workbench.data import FederatedDataModule
+    from workbench.engines import LightningEngine
+    from workbench.methods import FedAvg
+
+    with pytest.raises(ValueError, match=r"^trainer.max_epochs=1 stops the fit before the method's 2 rounds"):
+        main(["fit", *METHODS["FedAvg"], *DATA, "--trainer.max_epochs=1", f"--run_dir={tmp_path}"])
+    assert not any(tmp_path.iterdir())
+    dm = FederatedDataModule(dataset="synthetic", num_clients=4, partition="iid")
+    quiet = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+             "enable_model_summary": False}
+    with pytest.raises(ValueError, match=r"trainer.max_epochs=2 stops the fit before the method's 3 rounds"):
+        Trainer(max_epochs=2, **quiet).fit(LightningEngine(FedAvg(num_rounds=3)), datamodule=dm)
+    method = FedAvg(num_rounds=3)
+    trainer = Trainer(**quiet)
+    with warnings.catch_warnings(record=True) as seen:  # (the filters as a user's process has them)
+        trainer.fit(LightningEngine(method), datamodule=dm)
+    assert method.fitted and method.round == 3 and trainer.current_epoch == 3
+    assert not [w for w in seen if "max_epochs" in str(w.message)]  # no "Setting it to 1000 epochs"
+
+
+def test_a_fit_resumed_under_another_engine_is_one_line_before_any_run_folder(tmp_path):
+    """The clients' state lives in this process (`client_half.*` in the checkpoint) or on the
+    Flower nodes (none in it): a resume under the other engine is refused, either way, before a
+    run folder (or a Ray session) exists."""
+    from workbench.engines.lightning import check_checkpoint_matches
+
+    main(["fit", *METHODS["FedAvg"], *DATA, f"--run_dir={tmp_path}", "--run_name=run"])
+    checkpoint = next((tmp_path / "run").glob("version_0/model.ckpt"))
+    with pytest.raises(ValueError, match=r"^the checkpoint is of a fit whose clients ran under --engine lightning, "
+                                         r"and their state does not carry over to --engine flower: resume it with "
+                                         r"--engine lightning"):
+        main(["fit", *METHODS["FedAvg"], *DATA, f"--run_dir={tmp_path}", "--run_name=run", "--engine=flower",
+              f"--ckpt_path={checkpoint}"])
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["version_0"]
+    saved = torch.load(checkpoint, weights_only=False)["workbench"]
+    with pytest.raises(ValueError, match=r"under --engine flower, .* resume it with --engine flower"):
+        check_checkpoint_matches({**saved, "engine": "flower"}, saved, resuming=True)
+    check_checkpoint_matches({**saved, "engine": "flower"}, saved, resuming=False)  # tested anywhere
+
+
+@pytest.mark.parametrize("method", ["FedAvg", "Ditto"])
+def test_a_checkpoint_of_a_fit_over_flower_is_tested_here_unless_its_models_were_the_clients(method, tmp_path):
+    """A Flower fit's checkpoint holds no client state (it stayed on the nodes): its global model
+    is tested in this process; a personalized method's models were the clients' own: one line."""
+    args = {"FedAvg": METHODS["FedAvg"], "Ditto": ["--model=Ditto", "--model.num_rounds=2"]}[method]
+    main(["fit", *args, *DATA, f"--run_dir={tmp_path}", "--run_name=here"])
+    here = torch.load(next((tmp_path / "here").glob("version_0/model.ckpt")), weights_only=False)
+    assert any(name.startswith("client_half.") for name in here["state_dict"])
+    over_flower = {**here, "state_dict": {name: value for name, value in here["state_dict"].items()
+                                          if not name.startswith("client_half.")},
+                   "workbench": {**here["workbench"], "engine": "flower"}}
+    torch.save(over_flower, tmp_path / "flower.ckpt")
+    test = ["test", *args, *DATA, f"--run_dir={tmp_path}", f"--ckpt_path={tmp_path / 'flower.ckpt'}"]
+    if method == "Ditto":
+        with pytest.raises(ValueError, match=r"^the checkpoint is of a Ditto fit over Flower: its clients' personal "
+                                             r"models stayed on the nodes, so it cannot be tested here"):
+            main(test)
+        return
+    tested = main(test)
+    reference = main(["test", *args, *DATA, f"--run_dir={tmp_path}",
+                      f"--ckpt_path={next((tmp_path / 'here').glob('version_0/model.ckpt'))}"])
+    assert tested.trainer.callback_metrics["test/acc"] == reference.trainer.callback_metrics["test/acc"]

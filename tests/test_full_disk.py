@@ -103,7 +103,23 @@ def test_no_room_for_hparams_leaves_no_empty_file_and_no_empty_folder(capsys, tm
     runs = tmp_path / "runs"
     err = one_error(capsys, *SYNTHETIC, f"--run_dir={runs}")
     assert f"error: no room for hparams.yaml in {runs / 'fedavg-synthetic-iid-k4' / 'version_0'} (" in err
-    assert not list(runs.rglob("version_*"))  # it held nothing: removed
+    assert not list(runs.iterdir())  # it held nothing: its version and run name folders removed
+
+
+def test_no_room_for_the_first_metrics_leaves_no_run_folder(capsys, tmp_path, monkeypatch):
+    """Full before the first checkpoint: the version folder (its config, hparams and a 0-byte
+    metrics.csv) held nothing to keep or resume, and no status.json could say so: removed."""
+    from lightning.fabric.loggers.csv_logs import _ExperimentWriter
+
+    def full(self):
+        Path(self.metrics_file_path).write_bytes(b"")
+        raise no_space(self.metrics_file_path)
+
+    monkeypatch.setattr(_ExperimentWriter, "save", full)
+    runs = tmp_path / "runs"
+    err = one_error(capsys, *SYNTHETIC, f"--run_dir={runs}", "--checkpoint_every_round=false")
+    assert "error: no room for metrics.csv in " in err
+    assert not list(runs.iterdir())
 
 
 def test_no_room_for_the_metrics_mid_run_is_one_line_with_the_last_checkpoint_whole(capsys, tmp_path, monkeypatch):

@@ -38,17 +38,18 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from workbench import runlog
 from workbench.catalog import method_classes
-from workbench.command_line import config_files, missing_checkpoint, usage_line, yaml_error
+from workbench.command_line import CHECKPOINT_WORDS, config_files, missing_checkpoint, usage_line, yaml_error
 from workbench.console import DEBUG_ENV, condense_parse_error
 from workbench.data import FederatedDataModule
 from workbench.engines import LightningEngine
 from workbench.engines.ddp import end_processes
 from workbench.engines.flower_settings import FlowerSettings
+from workbench.engines.lightning import check_epoch_limit
 from workbench.engines.stopping import Stopping
 from workbench.federation import Federation
 from workbench.files import NoRoom, out_of_room, remove_orphaned_temporaries, replaced_atomically, write_text_atomically
 from workbench.methods import FederatedMethod
-from workbench.runlog import finish_run, log_hparams, make_loggers, print_summary
+from workbench.runlog import default_run_name, finish_run, log_hparams, make_loggers, print_summary
 
 #: test hook: `<round>` or `<round>:<SIGNAL>` sends the signal (default SIGTERM) to this process at
 #: the end of that round, an interruption at a known point taking the path of a real one
@@ -272,7 +273,20 @@ class WorkbenchCLI(LightningCLI):
             # exist; the other processes of a fit read the cache later
             self.datamodule.setup()
             self.model.check_data(self.datamodule, fitting=self.subcommand == "fit")
+            self._check_checkpoint()
         self.trainer = self.instantiate_trainer()
+
+    def _check_checkpoint(self) -> None:
+        """A checkpoint of another method, settings, data or engine is refused before the run's
+        folder exists (Lightning's own load checks it again, from Python too)."""
+        ckpt_path = self._get(self.config, "ckpt_path")
+        if ckpt_path is None or (ckpt_path in CHECKPOINT_WORDS and ckpt_path != "last"):  # Lightning's own words
+            return
+        if ckpt_path == "last":
+            name = self._get(self.config, "run_name") or default_run_name(self.method, self.datamodule)
+            ckpt_path = newest_last_checkpoint(Path(self._get(self.config, "run_dir")) / name)
+        self.model.check_checkpoint_file(ckpt_path, self.datamodule, resuming=self.subcommand == "fit",
+                                         engine=self._get(self.config, "engine"))
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--run_dir", default="runs", help="folder that holds every run's logs")
@@ -309,8 +323,7 @@ class WorkbenchCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs):
         config = self._get(self.config_init, "trainer", default={})
-        if config.get("max_epochs") is None:  # one epoch is one round
-            kwargs["max_epochs"] = max(self.method.num_rounds, 1)
+        check_epoch_limit(config.get("max_epochs"), self.method.num_rounds)  # before any run folder exists
         if config.get("strategy") == "ddp":  # Lightning's DDP, splitting clients instead of samples
             from workbench.engines.ddp import FederatedDDPStrategy
 

@@ -1,12 +1,14 @@
 """Where a run's numbers go: a CSV log always, Weights & Biases when wanted, a summary on screen."""
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import math
 import os
 import re
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -107,8 +109,10 @@ def record_ending(error: BaseException, argv: list[str]) -> None:
     written before a folder was claimed (the input was refused: nothing ran) or for a clean exit."""
     if claimed is None or not claimed.is_dir():
         return
-    if out_of_room(error) and not any(claimed.iterdir()):  # a full disk before anything was written
-        claimed.rmdir()
+    if out_of_room(error) and not any(claimed.glob("*.ckpt")):  # a full disk before a checkpoint: nothing to keep
+        shutil.rmtree(claimed, ignore_errors=True)  # (a status.json could not be written either)
+        with contextlib.suppress(OSError):  # the run name's folder, when this run made it
+            claimed.parent.rmdir()
         return
     if isinstance(error, SystemExit):
         code = error.code if isinstance(error.code, int) else int(error.code is not None)

@@ -120,7 +120,7 @@ def ddp_main(out_dir: str) -> None:
     for name, (build, _) in METHODS.items():
         method = build()
         engine = LightningEngine(method)
-        trainer = Trainer(max_epochs=max(method.num_rounds, 1), strategy=FederatedDDPStrategy(), devices=2,
+        trainer = Trainer(strategy=FederatedDDPStrategy(), devices=2,
                           accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                           enable_model_summary=False, num_sanity_val_steps=0)
         dm = data(name=name)

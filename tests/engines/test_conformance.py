@@ -90,7 +90,7 @@ def fit(name: str, federation: Federation | None = None, one_by_one: bool = Fals
         method.setup(Problem.of(dm))
         clients = OneByOneClients(method, dm)
     engine = LightningEngine(method, federation, clients=clients)
-    trainer = quiet_trainer(method)
+    trainer = quiet_trainer()
     trainer.fit(engine, datamodule=dm)
     tested = trainer.test(engine, datamodule=dm, verbose=False)
     return method, engine, tested
@@ -172,7 +172,7 @@ def fit_over_loopback(name: str, federation: Federation | None = None):
     build, _ = METHODS[name]
     method, dm = build(), data(name=name)
     engine = LightningEngine(method, federation)
-    trainer = quiet_trainer(method)
+    trainer = quiet_trainer()
     run = fit_over_grid(LoopbackGrid(dm.num_clients), trainer, engine, dm)
     return method, engine, run.test_results
 

@@ -21,7 +21,7 @@ GRADIENT = dict(num_rounds=4, architecture="mlp", hidden_dim=8, seed=3, local=Lo
 
 def fitted(method, eval_every: int = 1) -> tuple[LightningEngine, Trainer]:
     engine, dm = LightningEngine(method, eval_every=eval_every), data()
-    trainer = quiet_trainer(method)
+    trainer = quiet_trainer()
     trainer.fit(engine, datamodule=dm)
     trainer.test(engine, datamodule=dm, verbose=False)
     return engine, trainer

@@ -274,7 +274,7 @@ def test_clients_moving_between_processes_give_the_in_process_run(as_server, mon
     # each node's client moves to the other process with every message, as a Ray simulation's
     # actors take any node's message: every message after a node's first finds its state saved by the other
     grid = LoopbackGrid(dm.num_clients, processes=2, process_of=lambda node, exchange: (exchange + node) % 2)
-    run = fit_over_grid(grid, quiet_trainer(method), engine, dm)
+    run = fit_over_grid(grid, quiet_trainer(), engine, dm)
     assert_same_run(name, fit_in_process(name), (method, engine, run.test_results))
     traffic = run.traffic
     assert traffic.builds <= 2 * dm.num_clients and traffic.restores > 0  # built once per process, then restored

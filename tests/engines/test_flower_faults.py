@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("flwr", reason="the Flower engine needs the `flower` extra: pip install -e '.[flower]'")
 
-from tests.conftest import quiet_trainer
+from tests.conftest import InterruptAfter, quiet_trainer
 from tests.engines.conformance import METHODS, data
 from tests.engines.conftest import assert_same_state, dropping_clients
 from workbench.engines import LightningEngine
@@ -68,14 +68,14 @@ def in_process(make, dropped: dict[int, list[int]], federation: Federation | Non
     method, dm = make(), data(num_clients)
     engine = LightningEngine(method, federation)
     with dropping_clients(dropped):
-        quiet_trainer(method).fit(engine, datamodule=dm)
+        quiet_trainer().fit(engine, datamodule=dm)
     return method, engine
 
 
 def over_grid(make, grid: LoopbackGrid, federation: Federation | None = None, settings=QUICK):
     method, dm = make(), data(grid.num_clients)
     engine = LightningEngine(method, federation)
-    run = fit_over_grid(grid, quiet_trainer(method), engine, dm, settings=settings)
+    run = fit_over_grid(grid, quiet_trainer(), engine, dm, settings=settings)
     return method, engine, run
 
 
@@ -97,7 +97,7 @@ def test_a_silent_node_is_dropped_after_the_deadline_and_afl_is_the_ridge_of_the
     alone_dm = data()
     alone_dm.train_features, alone_dm.train_labels = dm.train_features[rows], dm.train_labels[rows]
     alone_dm.train_client_ids = dm.train_client_ids[rows]
-    quiet_trainer(alone).fit(fit_alone, datamodule=alone_dm)
+    quiet_trainer().fit(fit_alone, datamodule=alone_dm)
     assert_same_state(method, alone, 1e-8)
 
 
@@ -308,13 +308,13 @@ def test_a_fit_resumed_from_its_checkpoint_over_new_nodes_equals_the_uninterrupt
     Ω_t), the same model as the fit that never stopped."""
     method, _, _ = over_grid(make, LoopbackGrid(3))
     first, dm = make(), data()
-    stopped = quiet_trainer(first, max_epochs=2, default_root_dir=tmp_path)
+    stopped = quiet_trainer(callbacks=[InterruptAfter(2)], default_root_dir=tmp_path)
     fit_over_grid(LoopbackGrid(3), stopped, LightningEngine(first), dm, settings=QUICK)
     assert first.round == 2 and not first.fitted
     stopped.save_checkpoint(tmp_path / "last.ckpt", weights_only=False)
     resumed = make()
     engine = LightningEngine(resumed)
-    fit_over_grid(LoopbackGrid(3), quiet_trainer(resumed), engine, data(), settings=QUICK,
+    fit_over_grid(LoopbackGrid(3), quiet_trainer(), engine, data(), settings=QUICK,
                   ckpt_path=tmp_path / "last.ckpt", weights_only=False)
     assert resumed.fitted and resumed.round == method.round
     assert_same_state(resumed, method, 1e-8)
@@ -328,7 +328,7 @@ def test_every_method_fits_through_a_client_lost_in_its_first_round_and_back_afr
     grid = StagedGrid(3, silenced={0: [FIRST_NODE + 1]}, joined={0: [1]})
     method, dm = build(), data(name=name)
     engine = LightningEngine(method)
-    fit_over_grid(grid, quiet_trainer(method), engine, dm, settings=QUICK)
+    fit_over_grid(grid, quiet_trainer(), engine, dm, settings=QUICK)
     assert method.fitted
     assert [event[1:3] for event in engine.client_events] == [[1, "missing"], [1, "rejoined"]]
     assert all(bool(torch.isfinite(value).all()) for value in method.state_dict().values() if value.is_floating_point())

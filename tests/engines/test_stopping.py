@@ -58,7 +58,7 @@ def test_clients_hold_outs_are_carved_from_their_own_shares_by_class():
 def fit(data, **stopping) -> LightningEngine:
     method = FedAvg(num_rounds=40, architecture="mlp", hidden_dim=8, seed=1, local=LocalTraining(lr=0.1, batch_size=32))
     engine = LightningEngine(method, stopping=Stopping(**stopping))
-    quiet_trainer(method).fit(engine, datamodule=data)
+    quiet_trainer().fit(engine, datamodule=data)
     return engine
 
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, InterruptAfter
 from workbench.data import FederatedDataModule, SyntheticBlobs
 from workbench.federation import Federation
 from workbench.federation.client_step import client_step
@@ -290,18 +290,18 @@ def test_a_resumed_dp_fit_continues_with_its_adaptive_clip_norm(tmp_path):
 
     dm, protocol = data(), Federation(dp_clip=1.0, dp_noise_multiplier=0.5, dp_clip_quantile=0.5, seed=3)
 
-    def trainer(rounds: int, **settings) -> Trainer:
-        return Trainer(max_epochs=rounds, logger=False, enable_progress_bar=False, enable_model_summary=False,
+    def trainer(*callbacks, **settings) -> Trainer:
+        return Trainer(callbacks=list(callbacks), logger=False, enable_progress_bar=False, enable_model_summary=False,
                        num_sanity_val_steps=0, default_root_dir=tmp_path, **settings)
 
     straight = LightningEngine(FedAvg(num_rounds=4, architecture="linear"), protocol)
-    trainer(4, enable_checkpointing=False).fit(straight, datamodule=dm)
+    trainer(enable_checkpointing=False).fit(straight, datamodule=dm)
     first = LightningEngine(FedAvg(num_rounds=4, architecture="linear"), protocol)
-    stopped = trainer(2, enable_checkpointing=False)
+    stopped = trainer(InterruptAfter(2), enable_checkpointing=False)
     stopped.fit(first, datamodule=dm)
     stopped.save_checkpoint(tmp_path / "round2.ckpt")
     resumed = LightningEngine(FedAvg(num_rounds=4, architecture="linear"), protocol)
-    trainer(4, enable_checkpointing=False).fit(resumed, datamodule=dm, ckpt_path=tmp_path / "round2.ckpt",
+    trainer(enable_checkpointing=False).fit(resumed, datamodule=dm, ckpt_path=tmp_path / "round2.ckpt",
                                                weights_only=False)  # our own file: it holds the data settings
     assert resumed.fit_metrics["privacy/clip_norm"] == straight.fit_metrics["privacy/clip_norm"] != 1.0
     assert torch.equal(resumed.method.flat_parameters(), straight.method.flat_parameters())

@@ -44,7 +44,7 @@ def data(num_clients: int = 5, partition: str = "iid", **kw) -> FederatedDataMod
 def fit64(method, dm, federation=None) -> LightningEngine:
     """A full fit in float64 in process; returns the engine."""
     engine = LightningEngine(method, federation)
-    quiet_trainer(method, precision="64-true").fit(engine, datamodule=dm)
+    quiet_trainer(precision="64-true").fit(engine, datamodule=dm)
     return engine
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from lightning import Callback, Trainer
 
-from tests.conftest import ROOT, relative_error
+from tests.conftest import ROOT, InterruptAfter, relative_error
 from workbench.cli import main
 from workbench.data import FederatedDataModule, SyntheticBlobs
 from workbench.engines import LightningEngine
@@ -438,7 +438,7 @@ def test_the_test_pass_reads_the_logits_the_last_depth_scored(monkeypatch):
     model's to rounding; other rows, or a model loaded since, are scored afresh."""
     dm = data(partition="dirichlet", alpha=0.5, num_clients=5, batch_size=128)
     method = DeepAFL(num_layers=3, **SMALL)
-    trainer = Trainer(max_epochs=method.num_rounds, logger=False, enable_checkpointing=False,
+    trainer = Trainer(logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     engine = LightningEngine(method)
     trainer.fit(engine, datamodule=dm)
@@ -551,7 +551,7 @@ def test_validation_while_fitting_scores_the_model_of_every_round(fit_method, sc
     those of the model itself, as a plain forward of each depth gives them."""
     dm = data(partition="iid", num_clients=3, batch_size=64, val_fraction=0.2)
     method, seen = DeepAFL(num_layers=2, schedule=schedule, **SMALL), ValAccuracies()
-    Trainer(max_epochs=method.num_rounds, logger=False, enable_checkpointing=False, callbacks=[seen],
+    Trainer(logger=False, enable_checkpointing=False, callbacks=[seen],
             enable_progress_bar=False, enable_model_summary=False,
             num_sanity_val_steps=0).fit(LightningEngine(method), datamodule=dm)
 
@@ -576,11 +576,11 @@ def test_a_resumed_fit_gives_the_same_model(fit_method, tmp_path, schedule, samp
     whole = DeepAFL(num_layers=3, schedule=schedule, **SMALL)
     whole_engine = fit_method(whole, dm, federation)
 
-    def trainer(rounds: int) -> Trainer:
-        return Trainer(max_epochs=rounds, logger=False, enable_checkpointing=False,
-                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    def trainer(*callbacks) -> Trainer:
+        return Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                       enable_model_summary=False, num_sanity_val_steps=0, callbacks=list(callbacks))
 
-    first_part = trainer(3)
+    first_part = trainer(InterruptAfter(3))
     part = DeepAFL(num_layers=3, schedule=schedule, **SMALL)
     first_part.fit(LightningEngine(part, federation), datamodule=dm)
     assert part.round == 3
@@ -592,7 +592,7 @@ def test_a_resumed_fit_gives_the_same_model(fit_method, tmp_path, schedule, samp
     resumed = DeepAFL(num_layers=3, schedule=schedule, **SMALL)
     # the checkpoint holds the data module's hyperparameters (a SyntheticBlobs): our own file
     engine = LightningEngine(resumed, federation)
-    trainer(resumed.num_rounds).fit(engine, datamodule=dm, ckpt_path=tmp_path / "part.ckpt", weights_only=False)
+    trainer().fit(engine, datamodule=dm, ckpt_path=tmp_path / "part.ckpt", weights_only=False)
     assert resumed.fitted
     assert relative_error(resumed.classifier, whole.classifier) <= 1e-10
     assert relative_error(resumed.omega, whole.omega) <= 1e-10
@@ -644,7 +644,7 @@ def test_the_depth_curve_scores_the_test_split_as_the_test_pass_does_under_featu
     test rows too, so its last depth is the test pass's accuracy (and its logits are reused)."""
     dm = data(partition="dirichlet", alpha=0.5, num_clients=5, batch_size=128)
     method = DeepAFL(num_layers=2, **SMALL)
-    trainer = Trainer(max_epochs=method.num_rounds, logger=False, enable_checkpointing=False,
+    trainer = Trainer(logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     clip = float(dm.test_features.norm(dim=1).median())  # clips about half the rows
     engine = LightningEngine(method, federation=Federation(feature_clip=clip))

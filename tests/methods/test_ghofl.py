@@ -441,6 +441,6 @@ def test_the_trained_heads_loss_curves_are_logged_one_step_per_nested_epoch(tmp_
     method = GHOFL(heads=["lda", "fishermix"], **QUICK)
     engine = LightningEngine(method)
     logger = CSVLogger(tmp_path, name="curve")
-    quiet_trainer(method, logger=logger).fit(engine, datamodule=data(partition="iid", num_clients=2))
+    quiet_trainer(logger=logger).fit(engine, datamodule=data(partition="iid", num_clients=2))
     rows = list(csv.DictReader((Path(logger.log_dir) / "metrics.csv").open()))
     assert sum(bool(row.get("fishermix/train_loss")) for row in rows) == len(method.fishermix.loss_curve) == 4

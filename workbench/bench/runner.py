@@ -33,7 +33,7 @@ DATA_CLASS = "workbench.data.FederatedDataModule"
 #: Lightning's notices that say nothing about a bench run (one round per epoch, no optimizer, ...)
 QUIET = (".*configure_optimizers.* returned `None`", ".*does not have many workers", ".*LeafSpec.*",
          ".*GPU available.*", ".*TPU available.*", ".*Total length of .* across ranks is zero",
-         ".*`max_epochs` was not set.*", ".*Experiment logs directory .* exists.*")
+         ".*Experiment logs directory .* exists.*")
 
 
 def slug(text: str) -> str:
@@ -93,8 +93,7 @@ def fit_method(scenario: Scenario, run: Run, data, folder: Path) -> dict[str, An
     method = build_part("model", {"class_path": run.method.class_path, "init_args": init_args})
     budget = scenario.budget
     engine = LightningEngine(method, stopping=Stopping(patience=budget.patience, min_delta=budget.min_delta))
-    trainer = Trainer(max_epochs=max(method.num_rounds, 1), logger=CSVLogger(folder.parent, name="",
-                                                                             version=folder.name),
+    trainer = Trainer(logger=CSVLogger(folder.parent, name="", version=folder.name),
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, log_every_n_steps=1, accelerator="cpu", devices=1)
     trainer.fit(engine, datamodule=data)

@@ -157,6 +157,9 @@ def _datasets():
         import datasets
     except ImportError as error:
         raise ImportError(f"data.dataset=hf needs Hugging Face datasets: {INSTALL_HINT}") from error
+    # its bars ("Downloading data" of local files, "Generating train split") say nothing the
+    # extraction's own progress does not, and would surround an error about the data
+    datasets.disable_progress_bars()
     return datasets
 
 

@@ -20,7 +20,8 @@ After the last round every client receives `method.final_broadcast()` and does i
 (`ClientHalf.finish`, `run_final`). The engine sums every message's bytes at the dtype sent
 (`comm/bytes_up`: each surviving client's message on the wire; `comm/bytes_down`: the broadcast to
 each client of the cohort, and the final model to all K), times the clients and the server, and
-stops after `num_rounds`.
+stops after `num_rounds`: one Lightning epoch is one round, so the engine sets the Trainer's epoch
+limit from the method's rounds (leave `max_epochs` unset) and refuses one below them.
 
 With several processes (`trainer.strategy=ddp`, `workbench.engines.ddp`) each process serves a
 disjoint set of whole clients; the partial sums (or stacks, or masked ring sums) are combined
@@ -38,11 +39,14 @@ from __future__ import annotations
 import math
 import sys
 import time
+import warnings
+from pathlib import Path
 from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 from lightning import LightningModule
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import Tensor
 from torchmetrics.classification import MulticlassAccuracy
 
@@ -55,6 +59,14 @@ from workbench.federation.privacy import clip_features
 from workbench.methods.base import FederatedMethod, Problem
 from workbench.runlog import save_client_events, save_per_client_table
 from workbench.settings import init_arguments, plain
+
+
+def check_epoch_limit(max_epochs: int | None, num_rounds: int) -> None:
+    """One epoch is one round: a Trainer limited to fewer epochs than the method's rounds would
+    stop with an unfitted model."""
+    if max_epochs is not None and max_epochs != -1 and max_epochs < max(num_rounds, 1):
+        raise ValueError(f"trainer.max_epochs={max_epochs} stops the fit before the method's {num_rounds} rounds "
+                         "(one epoch is one round): leave max_epochs unset, the engine runs model.num_rounds")
 
 
 def rejoined_events(round_index: int, rejoined: dict[int, bool]) -> list[list]:
@@ -97,6 +109,10 @@ class LightningEngine(LightningModule):
                  clients: Transport | None = None, eval_every: int = 1, stopping: Stopping | None = None,
                  other_data: bool = False) -> None:
         super().__init__()
+        # A Trainer without max_epochs is how to run the engine (it sets the limit from the rounds):
+        # Lightning's notice that it chose 1000 epochs says nothing here (set here, not at import, so
+        # that it holds wherever the engine is built, inside any caller's warning filters)
+        warnings.filterwarnings("ignore", message="`max_epochs` was not set", category=PossibleUserWarning)
         if not isinstance(method, FederatedMethod):
             raise TypeError(f"the engine runs a workbench FederatedMethod, got {type(method).__name__}")
         self.automatic_optimization = False
@@ -151,6 +167,8 @@ class LightningEngine(LightningModule):
             raise RuntimeError("a federated method needs a FederatedDataModule (`data:` in the config)")
         if stage == "fit":
             self._check_processes()
+            check_epoch_limit(self.trainer.fit_loop.max_epochs, self.method.num_rounds)
+            self.trainer.fit_loop.max_epochs = max(self.method.num_rounds, 1)  # the engine stops there anyway
             if not getattr(data, "has_validation", True):  # no validation split: no validation loop to set up
                 self.trainer.limit_val_batches = 0
         problem = self.problem_of(data)
@@ -514,11 +532,14 @@ class LightningEngine(LightningModule):
         save_per_client_table(self.local_accuracy, self.trainer)
 
     # ---- checkpoints ------------------------------------------------------------------------
-    def checkpoint_identity(self) -> dict[str, Any]:
+    def checkpoint_identity(self, engine: str | None = None, data=None) -> dict[str, Any]:
         """What a checkpoint must match to be loaded into this engine: the method's class and
-        settings, the problem's shape, the data's settings and the protocol (plain values)."""
-        method, problem, data = self.method, self.method.problem, self.data
+        settings, the problem's shape, the data's settings, the protocol (plain values) and who ran
+        the clients (`engine`: `lightning` in this process, `flower` over nodes; default: this
+        engine's transport). `data`: default, the Trainer's data module."""
+        method, problem, data = self.method, self.method.problem, self.data if data is None else data
         return {
+            "engine": engine or ("flower" if self.remote_clients is not None else "lightning"),
             "method": f"{type(method).__module__}.{type(method).__qualname__}",
             "settings": plain(init_arguments(method)),
             "problem": None if problem is None else {"input_shape": list(problem.input_shape),
@@ -527,6 +548,14 @@ class LightningEngine(LightningModule):
             "data": data.identity() if hasattr(data, "identity") else None,  # None: not a FederatedDataModule
             "federation": plain(self.federation),
         }
+
+    def check_checkpoint_file(self, path: str | Path, data, *, resuming: bool, engine: str) -> None:
+        """Before any run folder exists (the command line calls it once the method is set up for
+        `data`): the checkpoint at `path` against this run, one error naming what differs."""
+        saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True).get("workbench")
+        if saved is not None:
+            check_checkpoint_matches(saved, self.checkpoint_identity(engine, data), resuming=resuming,
+                                     other_data=self.other_data)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         saved = self.checkpoint_identity()
@@ -546,6 +575,7 @@ class LightningEngine(LightningModule):
                                      other_data=self.other_data)
             self._restored_totals = dict(saved.get("totals") or {}) if resuming else None
             self._restored_events = list(saved.get("client_events") or []) if resuming else None
+        self._fill_clients_left_on_nodes(checkpoint["state_dict"])
         tables = [name[:-len(".rows")] for name in self.state_dict() if name.endswith(".rows")]
         lacking = [name for name in tables if f"{name}.rows" not in checkpoint["state_dict"]]
         if lacking:  # workbench 0.2 kept per-client state as one dense (clients, ...) tensor
@@ -558,11 +588,29 @@ class LightningEngine(LightningModule):
         self.method.before_restore(state)
 
 
+    def _fill_clients_left_on_nodes(self, state: dict[str, Tensor]) -> None:
+        """A fit over Flower left its clients' state on the nodes: testing its global model here
+        needs none of it (the clients of this process keep their fresh state); a personalized
+        method's models were the clients' own."""
+        mine = {name: value for name, value in self.state_dict().items() if name.startswith("client_half.")}
+        if not mine or any(name.startswith("client_half.") for name in state):
+            return
+        if self.method.personalized:
+            raise ValueError(f"the checkpoint is of a {type(self.method).__name__} fit over Flower: its clients' "
+                             "personal models stayed on the nodes, so it cannot be tested here; its run folder "
+                             "holds their test/acc_local_* (scored on the nodes)")
+        state.update(mine)
+
+
 def check_checkpoint_matches(saved: dict, configured: dict, *, resuming: bool, other_data: bool = False) -> None:
     """One error naming what differs between a checkpoint and the configured run. A resumed fit
     may run more rounds than the checkpointed one (`num_rounds`); the protocol only matters there.
     The data's settings are compared unless `other_data` (a checkpoint tested on other data, or
     resumed on it, on purpose)."""
+    if resuming and saved.get("engine", configured["engine"]) != configured["engine"]:
+        raise ValueError(f"the checkpoint is of a fit whose clients ran under --engine {saved['engine']}, and their "
+                         f"state does not carry over to --engine {configured['engine']}: resume it with --engine "
+                         f"{saved['engine']}, or fit afresh")
     if saved.get("method") != configured["method"]:
         raise ValueError(f"the checkpoint holds a {saved.get('method')} model but the config asks for "
                          f"{configured['method']}: pass that run's config (its config.yaml) or a checkpoint "

@@ -148,11 +148,11 @@ def _simulate(trainer, engine, datamodule, test: bool, settings: FlowerSettings,
     return outcome["run"]
 
 
-def quiet_trainer(num_rounds: int, **settings) -> Trainer:
-    """A Trainer for a method's full fit with no logs, bars or checkpoints (settings override)."""
-    return Trainer(**{"max_epochs": max(num_rounds, 1), "logger": False, "enable_checkpointing": False,
-                      "enable_progress_bar": False, "enable_model_summary": False, "num_sanity_val_steps": 0,
-                      **settings})
+def quiet_trainer(**settings) -> Trainer:
+    """A Trainer for a method's full fit (the engine sets its epochs from the rounds) with no logs,
+    bars or checkpoints (settings override)."""
+    return Trainer(**{"logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+                      "enable_model_summary": False, "num_sanity_val_steps": 0, **settings})
 
 
 def fit_over_flower(method, datamodule, federation=None, trainer_kwargs: dict | None = None, *,
@@ -161,6 +161,6 @@ def fit_over_flower(method, datamodule, federation=None, trainer_kwargs: dict | 
     process: returns the engine (`engine.fit_metrics`, `engine.trainer.callback_metrics`,
     `engine.local_accuracy`, `engine.flower_run`). `options` go to `fit` (settings, ray_init_args)."""
     engine = LightningEngine(method, federation)
-    trainer = quiet_trainer(method.num_rounds, **(trainer_kwargs or {}))
+    trainer = quiet_trainer(**(trainer_kwargs or {}))
     engine.flower_run = fit(trainer, engine, datamodule, test=test, **options)  # type: ignore[assignment]  # for the caller
     return engine
