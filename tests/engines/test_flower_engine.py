@@ -278,3 +278,27 @@ def test_clients_moving_between_processes_give_the_in_process_run(as_server, mon
     assert_same_run(name, fit_in_process(name), (method, engine, run.test_results))
     traffic = run.traffic
     assert traffic.builds <= 2 * dm.num_clients and traffic.restores > 0  # built once per process, then restored
+
+
+@pytest.mark.ray
+@pytest.mark.subprocess
+def test_a_flower_fit_from_the_command_line_prints_no_library_notices(tmp_path):
+    """Flower's deprecation notice for `run_simulation`, every Ray actor's "Manually terminating",
+    and the DeprecationWarnings flwr turns on for Lightning's own calls: none reach the user."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    done = subprocess.run(
+        [sys.executable, "-m", "workbench", "fit", "--model=FedAvg", "--model.num_rounds=2",
+         "--model.architecture=linear", "--data=FederatedDataModule", "--data.dataset=synthetic",
+         "--data.num_clients=3", "--data.partition=iid", "--engine=flower", "--wandb=disabled",
+         "--trainer.enable_progress_bar=false", f"--run_dir={tmp_path}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": ""})
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    for notice in ("DEPRECATED", "deprecated", "Manually terminating", "Warning", "WARNING"):
+        assert notice not in out, out
+    assert "Flower carried" in out and "test accuracy" in out

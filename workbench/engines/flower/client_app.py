@@ -31,8 +31,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import time
 import uuid
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -60,6 +62,29 @@ from workbench.methods.base import ClientHalf, Cohort, FederatedMethod, Problem
 
 STATE_KEY, NODE_KEY = "workbench.client_state", "workbench.node"
 
+#: Flower's notices that say nothing to a workbench run, each with why
+QUIET_FLOWER = (
+    "`run_simulation` function is deprecated",  # `flwr run` (its successor) needs an app project; this is the fit's
+    "Manually terminating",  # every Ray actor says it at the simulation's normal end
+)
+
+
+def _said_something(record: logging.LogRecord) -> bool:
+    return not any(notice in record.getMessage() for notice in QUIET_FLOWER)
+
+
+def quiet_flower() -> None:
+    """Flower's logger without QUIET_FLOWER's notices (called on this module's import: in each
+    Ray worker too, which imports it to run the ClientApp), and the DeprecationWarnings flwr's Ray
+    transport turns on for everyone (`filterwarnings("once")` on its import) off again for
+    Lightning's own calls."""
+    logger = logging.getLogger("flwr")
+    if _said_something not in logger.filters:
+        logger.addFilter(_said_something)
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module="lightning.pytorch.cli")
+
+
+quiet_flower()
 app = ClientApp()
 
 

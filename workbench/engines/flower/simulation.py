@@ -21,6 +21,7 @@ from lightning import Trainer
 
 from workbench.engines.flower import INSTALL_HINT
 from workbench.engines.flower.client_app import app as client_app
+from workbench.engines.flower.client_app import quiet_flower
 from workbench.engines.flower.transport import DEPLOYED_GRID, FlowerClients, FlowerTraffic, LogTraffic
 from workbench.engines.flower_settings import FlowerSettings
 from workbench.engines.lightning import LightningEngine
@@ -125,6 +126,7 @@ def _simulate(trainer, engine, datamodule, test: bool, settings: FlowerSettings,
         raise ImportError(INSTALL_HINT)
     from flwr.simulation import run_simulation
 
+    quiet_flower()
     outcome: dict[str, FlowerRun] = {}
     server = ServerApp()
 
