@@ -31,6 +31,12 @@ checkPage(1400, async (page, seen, screenshot) => {
     const [a, b] = [await title.boundingBox(), await bar.boundingBox()];
     if (a.x < b.x + b.width && b.x < a.x + a.width && a.y < b.y + b.height && b.y < a.y + a.height) seen.toolbar_overlaps.push(id);
   }
+  seen.single_point_symbols = await page.evaluate(() => document.getElementById("fig-rounds")._fullData
+    .filter((trace) => trace.x.length === 1).map((trace) => trace.marker.symbol));
+  seen.parallel_tick_halo = await page.$$eval("#fig-parallel .tick text", (texts) => texts.map((t) => {
+    const style = getComputedStyle(t);
+    return [t.textContent, style.paintOrder, style.strokeWidth];
+  }));
   seen.parallel_axes = await page.evaluate(() => document.getElementById("fig-parallel")._fullData[0].dimensions.map((d) => d.label));
   seen.toggle_labels = await page.$$eval("#column-toggles label", (labels) => labels.map((l) => l.textContent.trim()));
 

@@ -25,6 +25,10 @@ def test_the_page_works_in_chromium(report, run_dir, tmp_path):
     assert seen["alpha_title"].startswith("accuracy against the Dirichlet α")  # the tutorial's name for it
     assert seen["toolbar_overlaps"] == []  # no figure's toolbar covers its title
     assert {"rounds", "MB up / client", "fit s", "test/acc"} <= set(seen["parallel_axes"]), seen["parallel_axes"]
+    # one-round methods' single points (AFL, GH-OFL at round 1) are open markers: neither hides the other
+    assert len(seen["single_point_symbols"]) >= 2 and all(s.endswith("-open") for s in seen["single_point_symbols"])
+    halo = {text: (order, width) for text, order, width in seen["parallel_tick_halo"]}
+    assert halo["in process"] == ("stroke", "4px"), halo  # legible over the lines it sits on
     labels = seen["toggle_labels"]
     assert "test/acc/lda (one run)" in labels and "model.gamma" not in " ".join(labels)  # one run has it; constant
     assert {"partition", "K", "dataset"} <= set(labels)  # they vary: no "(same)"

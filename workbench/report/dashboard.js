@@ -254,11 +254,14 @@
   function curveTraces(runs, x) {  // one trace per run, one legend entry per group value
     const seen = new Set();
     return runs.filter((run) => run.curve).map((run) => {
-      const value = groupValue(run), style = styleOf(value), curve = run.curve;
+      const value = groupValue(run), style = styleOf(value), curve = run.curve, line = curve.round.length > 1;
+      // a one-round method is one point, often where another one-round method's is: open markers
+      // show both (AFL's circle no longer hides under GH-OFL's cross)
+      const marker = line ? { color: style.color, symbol: style.symbol, size: 6 }
+        : { color: style.color, symbol: style.symbol + "-open", size: 12, line: { width: 2, color: style.color } };
       const trace = {
-        type: "scatter", mode: curve.round.length > 1 ? "lines+markers" : "markers",
-        x: curve[x], y: curve.acc, name: value, legendgroup: value, showlegend: !seen.has(value),
-        marker: { color: style.color, symbol: style.symbol, size: curve.round.length > 1 ? 6 : 10 },
+        type: "scatter", mode: line ? "lines+markers" : "markers",
+        x: curve[x], y: curve.acc, name: value, legendgroup: value, showlegend: !seen.has(value), marker,
         line: { color: style.color, width: 1.5 },
         customdata: curve.round.map((round, i) => [round, humanBytes(curve.up[i] || 0), humanBytes(curve.down[i] || 0)]),
         hovertemplate: `<b>${run.name}</b><br>${state.groupBy}: ${value}<br>round %{customdata[0]}<br>` +
