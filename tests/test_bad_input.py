@@ -115,6 +115,7 @@ def test_a_checkpoint_made_on_other_data_is_refused_unless_asked(tmp_path):
     with pytest.raises(ValueError, match=r"\(data.partition: checkpoint 'iid', config 'dirichlet'; data.seed: "
                                          r"checkpoint 0, config 7\): pass the config .*\(--other_data=true loads it"):
         main([*test, "--data.partition=dirichlet", "--data.seed=7"])
+    assert not (tmp_path / "eval").exists()  # refused before any run folder
     with pytest.raises(ValueError, match=r"\(data.synthetic.seed: checkpoint 0, config 3; data.val_fraction: "
                                          r"checkpoint 0.0, config 0.2\)"):
         main([*test, "--data.synthetic.seed=3", "--data.val_fraction=0.2"])

@@ -38,7 +38,7 @@ RUNS = (
 
 def write_runs(root: Path) -> Path:
     """RUNS into `root`, and beside them: a re-evaluation of one (`test --ckpt_path`), a copy of
-    one run under the Flower engine's config, a run the command line refused at setup (its
+    one run under the Flower engine's config, a fit that failed in its first round (its
     status.json), and what a sweep leaves of runs that did not finish: one refused before it
     started, one whose process died after claiming its version folder."""
     for name, flags in RUNS:
@@ -50,9 +50,9 @@ def write_runs(root: Path) -> Path:
     shutil.copytree(fitted, flower, ignore=shutil.ignore_patterns("*.ckpt"))
     config = flower / "config.yaml"
     config.write_text(config.read_text().replace("engine: lightning", "engine: flower"))
-    # fails once its run folder exists: the fit's checkpoint scored on other data
-    assert main(["test", *TINY, "--data.alpha=0.3", f"--run_dir={root}", "--run_name=other_data",
-                 f"--ckpt_path={fitted / 'model.ckpt'}"]) == 2
+    # fails once its run folder exists: a step size that diverges in round 0
+    assert main(["fit", *TINY, "--model=FedAvg", "--model.local.lr=1e30", f"--run_dir={root}",
+                 "--run_name=diverged"]) == 2
     refused = root / "sweep" / "alpha=0"
     refused.mkdir(parents=True)
     (refused / "status.json").write_text(json.dumps({

@@ -53,9 +53,9 @@ def test_every_run_is_found_once_with_how_it_ended(run_dir, runs):
     assert ended["b_alpha0.5_k10/version_1"] == ("re-evaluation", "")  # test --ckpt_path: not a run
     assert ended["sweep/alpha=0"] == ("failed", "cannot be built: ValueError: data.alpha must be > 0, got 0.0")
     assert ended["sweep/k=2000/version_0"] == ("failed", "error: 2000 clients for 2000 samples")  # the last line
-    status, error = ended["other_data/version_0"]  # not a sweep's: the command line's own status.json
-    assert status == "failed" and error.startswith("ValueError: the checkpoint does not match the config "
-                                                   "(data.alpha: checkpoint 0.5, config 0.3)")
+    status, error = ended["diverged/version_0"]  # not a sweep's: the command line's own status.json
+    assert status == "failed" and error.startswith("FloatingPointError: round 0: FedAvg's aggregated upload "
+                                                   "'update' holds")
     assert runs["b_alpha0.5_k10/version_1"].evaluated.resolve() == (run_dir / "b_alpha0.5_k10" / "version_0").resolve()
 
 
@@ -179,7 +179,7 @@ def test_the_page_is_one_self_contained_file_holding_the_dashboards_data(report,
     ours = page.replace(bundle, "")  # the page the browser test watches for requests, Plotly's links too
     assert not re.search(r'(src|href)=["\']?(https?:)?//', ours)  # nothing fetched from elsewhere
     assert page_data(report) == json.loads(json.dumps(build(find_runs([run_dir])), allow_nan=False))
-    for name in ("sweep/alpha=0", "sweep/k=2000/version_0", "other_data/version_0"):
+    for name in ("sweep/alpha=0", "sweep/k=2000/version_0", "diverged/version_0"):
         assert f'data-unfinished="{name}"' in page
     assert "data.alpha must be &gt; 0, got 0.0" in page and 'data-reevaluation="b_alpha0.5_k10/version_1"' in page
     assert (report / "index.html").stat().st_size < 6e6  # Plotly's bundle is most of it
