@@ -19,6 +19,7 @@ from workbench.federation.privacy import clip_features
 from workbench.linalg import add_gram_
 from workbench.methods import DeepAFL, Problem
 from workbench.methods.deepafl import (
+    RANDOM_LAYERS,
     ResidualNetwork,
     omega_from_factors,
     random_layer,
@@ -322,12 +323,14 @@ def test_the_papers_shape_receives_over_30_times_fewer_bytes(schedule):
 
 
 def test_a_checkpoint_without_the_factors_takes_them_from_its_omega(fit_method):
-    """A checkpoint from before Ω_t's factors were kept loads with factors from the SVD of its
-    Ω_t (rank ≤ C), which rebuild Ω_t to rounding; its Ω_t itself is kept as saved."""
+    """A checkpoint from before Ω_t's factors were kept (its Ω_t and random layers saved) loads with
+    factors from the SVD of its Ω_t (rank ≤ C), which rebuild Ω_t to rounding; its Ω_t itself is
+    kept as saved, and its random layers are checked against the seed's."""
     dm = data(partition="iid", num_clients=3)
     method = DeepAFL(num_layers=3, **SMALL)
     fit_method(method, dm)
     state = {name: value for name, value in method.state_dict().items() if name not in ("omega_left", "omega_right")}
+    state.update({name: getattr(method, name) for name in ("omega", *RANDOM_LAYERS)})
     loaded = DeepAFL(num_layers=3, **SMALL)
     loaded.setup(method.problem)
     loaded.load_state_dict(state)
@@ -335,6 +338,30 @@ def test_a_checkpoint_without_the_factors_takes_them_from_its_omega(fit_method):
     for t in range(3):
         rebuilt = omega_from_factors(loaded.omega_left[t], loaded.omega_right[t])
         assert relative_error(rebuilt, method.omega[t]) <= 1e-12
+    other_seed = DeepAFL(num_layers=3, seed=1, **SMALL)
+    other_seed.setup(method.problem)
+    with pytest.raises(ValueError, match="random layer input_weight is not the one seed"):
+        other_seed.load_state_dict(state)
+
+
+def test_a_checkpoint_holds_what_was_learned_and_rebuilds_the_rest_bit_for_bit(fit_method):
+    """The random layers (the seed's) and the dense Ω_t (the product of its factors, where it
+    travels as them) are not saved; loaded, the model is the fitted one bit for bit, on both halves."""
+    dm = data(partition="iid", num_clients=3)
+    method = DeepAFL(num_layers=3, **SMALL)
+    engine = fit_method(method, dm)
+    assert method.factored
+    state = method.state_dict()
+    assert not {"omega", *RANDOM_LAYERS} & set(state)
+    loaded = DeepAFL(num_layers=3, **SMALL)
+    loaded.setup(method.problem)
+    loaded.load_state_dict(state)
+    for name, value in method.named_buffers():
+        assert torch.equal(getattr(loaded, name), value), name
+    clients = loaded.client_half()
+    clients.load_state_dict(engine.client_half.state_dict())
+    assert torch.equal(clients.omega, engine.client_half.omega)
+    assert torch.equal(loaded(dm.test_features), method(dm.test_features))
 
 
 @pytest.mark.parametrize("activation", ["gelu", "relu", "tanh", "sigmoid"])
@@ -524,8 +551,8 @@ def test_a_round_costs_one_layer_and_a_client_without_its_cache_rebuilds_it(monk
         assert blocks == ([] if round_index == 0 else [layer]), round_index
         if round_index == (2 if fused else 4):  # a client whose process restarted: its saved state only
             state = clients.half.state_dict()
-            assert set(state) == {"omega", "omega_left", "omega_right"}
-            before_factors = {"omega": state["omega"]}  # a state saved before the factors were kept
+            assert set(state) == {"omega_left", "omega_right"}  # Ω_t is their product
+            before_factors = {"omega": clients.half.omega.clone()}  # a state saved before the factors were kept
             for saved in (state, before_factors):
                 rebuilt = DeepAFL(num_layers=3, schedule=schedule, **SMALL)
                 rebuilt.setup(method.problem)
@@ -586,7 +613,7 @@ def test_a_resumed_fit_gives_the_same_model(fit_method, tmp_path, schedule, samp
     assert part.round == 3
     first_part.save_checkpoint(tmp_path / "part.ckpt")
     saved = torch.load(tmp_path / "part.ckpt", weights_only=False)["state_dict"]
-    assert "client_half.omega" in saved  # the clients keep the Ω they received...
+    assert "client_half.omega_left" in saved  # the clients keep the Ω they received (its factors)...
     assert not any(name.startswith(("client_half.phi", "client_half.hidden"))
                    for name in saved)  # ...not their per-sample caches
     resumed = DeepAFL(num_layers=3, schedule=schedule, **SMALL)
