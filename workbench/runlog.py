@@ -305,7 +305,8 @@ def print_summary(trainer, engine, checkpoint: Path | None = None,
           if "privacy/epsilon" in metrics else []),
         f"time              fit {metrics.get('time/fit_s', float('nan')):.2f} s "
         f"(clients {metrics.get('time/client_s', float('nan')):.2f} s, "
-        f"server {metrics.get('time/server_s', float('nan')):.2f} s)",
+        f"server {metrics.get('time/server_s', float('nan')):.2f} s, "
+        f"learning curve {metrics.get('time/curve_s', float('nan')):.2f} s)",
         f"logs              {trainer.log_dir}",
     ]
     if wall_s is not None:  # beside fit time: imports, extraction and the engine's start too

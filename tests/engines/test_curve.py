@@ -91,3 +91,24 @@ def test_the_command_line_logs_the_curve_to_the_csv(tmp_path):
     assert [round for round, _, _ in curve] == [1, 2, 3]  # one point a round, with the bytes so far
     assert curve[1][2] == pytest.approx(2 * curve[0][2])  # FedAvg's uploads are equal every round
     assert curve[-1][1] == pytest.approx(metrics(last_run(tmp_path))["test/acc"], abs=LOGGED)
+
+
+def test_the_curve_has_its_own_seconds_beside_the_clients_and_the_server(monkeypatch):
+    """`time/curve_s` holds the learning curve's scoring, and only it: a curve made 50 ms a point
+    slower adds those seconds there, not to the clients' or the server's; the fit holds all three."""
+    import time as clock
+
+    scored = []
+    original = FedAvg.accuracy
+
+    def slow_accuracy(self, *args, **kwargs):
+        scored.append(1)
+        clock.sleep(0.05)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(FedAvg, "accuracy", slow_accuracy)
+    engine, _ = fitted(FedAvg(**GRADIENT))
+    times = engine.fit_metrics
+    assert len(scored) == 4  # one point a round
+    assert times["time/curve_s"] >= 4 * 0.05
+    assert times["time/client_s"] + times["time/server_s"] + times["time/curve_s"] <= times["time/fit_s"]

@@ -36,10 +36,12 @@ round's aggregated uploads are checked for NaN/inf before the server solves or s
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol, cast, runtime_checkable
 
@@ -264,7 +266,8 @@ class LightningEngine(LightningModule):
         if self.method.round > 0 and isinstance(self.clients, Rejoins):
             # a resumed fit over new nodes (a new Flower run): every client's state starts afresh there
             self.method.forget_clients(self.available)
-        self._totals = {"bytes_up": 0, "bytes_down": 0, "client_s": 0.0, "server_s": 0.0, "secure_s": 0.0}
+        self._totals = {"bytes_up": 0, "bytes_down": 0, "client_s": 0.0, "server_s": 0.0, "secure_s": 0.0,
+                        "curve_s": 0.0}
         restored = self._restored_totals or {}
         self._totals.update(restored)  # a resumed fit: its numbers continue from the checkpoint's
         self._fit_start = time.perf_counter() - float(restored.get("fit_s", 0.0))
@@ -296,15 +299,25 @@ class LightningEngine(LightningModule):
         self._set_totals()
         method = self.method
         due = bool(self.eval_every) and (method.round % self.eval_every == 0 or not method.rounds_left)
-        if due or self.stopping.active:
-            # a global method's personal model is its global one: scored on the local splits too
-            self._score_round(personal=method.personal_every_round or not method.personalized, test=due)
-        if self.stopping.active:  # the last round too: its accuracy may be the best
-            stops = self.stopping.stops(self._totals, method.round, self.curve[-1]["round/val_acc"])
-            self._stop = stops and method.rounds_left
-            self.fit_metrics.update({"stop/best_val_acc": self._totals["stop_best"],
-                                     "stop/best_round": float(self._totals["stop_best_round"])})
-        self._log_steps()
+        with self._curve_time():
+            if due or self.stopping.active:
+                # a global method's personal model is its global one: scored on the local splits too
+                self._score_round(personal=method.personal_every_round or not method.personalized, test=due)
+            if self.stopping.active:  # the last round too: its accuracy may be the best
+                stops = self.stopping.stops(self._totals, method.round, self.curve[-1]["round/val_acc"])
+                self._stop = stops and method.rounds_left
+                self.fit_metrics.update({"stop/best_val_acc": self._totals["stop_best"],
+                                         "stop/best_round": float(self._totals["stop_best_round"])})
+            self._log_steps()
+
+    @contextlib.contextmanager
+    def _curve_time(self) -> Iterator[None]:
+        """Times the block into `time/curve_s`: the learning curve's scoring (and the method's
+        step metrics), the fit's arithmetic beside the clients' and the server's."""
+        start = time.perf_counter()
+        yield
+        self._totals["curve_s"] += time.perf_counter() - start
+        self.fit_metrics["time/curve_s"] = self._totals["curve_s"]
 
     def _add_round(self, result: RoundResult) -> None:
         """The round's numbers into the fit's running totals and this round's metrics."""
@@ -348,7 +361,8 @@ class LightningEngine(LightningModule):
             self.fit_metrics["time/local_s"] = final.client_s
         self._set_totals()
         if self.eval_every and self.method.personalized:  # the personal models as delivered
-            self._score_round(personal=True)
+            with self._curve_time():
+                self._score_round(personal=True)
         self.fit_metrics["time/fit_s"] = time.perf_counter() - self._fit_start
 
     def _set_totals(self) -> None:
@@ -361,6 +375,7 @@ class LightningEngine(LightningModule):
             "comm/bytes_down_per_client": float(totals["bytes_down"]) / method.num_clients,
             "time/client_s": totals["client_s"],
             "time/server_s": totals["server_s"],
+            "time/curve_s": totals["curve_s"],
         })
         if self.federation.secure_aggregation:  # masking (client time) and unmasking (server time)
             self.fit_metrics["time/secure_aggregation_s"] = totals["secure_s"]
