@@ -29,7 +29,7 @@ import torch
 os.environ.setdefault("WANDB_MODE", "disabled")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import fit_engine, machine_line, write_report
+from benchmarks.common import fit_engine, machine_line, median_time, write_report
 from workbench.backbones import build_backbone
 from workbench.data import FederatedDataModule
 from workbench.data.datamodule import SyntheticBlobs
@@ -37,15 +37,6 @@ from workbench.data.datasets import load_dataset
 from workbench.data.features import extract_features, preprocess
 from workbench.linalg import class_sums
 from workbench.methods import AFL
-
-
-def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def fit_afl(datamodule: FederatedDataModule) -> tuple[float, float]:

@@ -5,11 +5,24 @@ from __future__ import annotations
 import cProfile
 import os
 import pstats
+import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from workbench.bench.machine import cpu_name, load_average, machine_line
 
 __all__ = ["cpu_name", "fit_engine", "hot_functions", "load_average", "machine_line", "write_report"]
+
+
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    """The median wall seconds of `repeats` calls of `fn`."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def write_report(lines: list[str], out: str | Path) -> Path:

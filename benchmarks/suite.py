@@ -150,6 +150,10 @@ METHODS = [
 NAMES = [entry.name for entry in METHODS]
 
 
+def ratio(numerator: float, denominator: float) -> str:
+    return f"{numerator / denominator:.2f}" if denominator > 0 else "—"
+
+
 def percent(value: float | None) -> str:
     return "—" if value is None or math.isnan(value) else f"{100 * value:.2f}"
 
@@ -164,6 +168,7 @@ def run(entry: Entry, setting: str, method, data: FederatedDataModule, stopping:
            "acc": tested.get("test/acc"), "personal": tested.get("test/acc_local_mean"),
            "rounds": int(fit["comm/rounds"]), "up": fit["comm/bytes_up"] / data.num_clients,
            "down": fit["comm/bytes_down"] / data.num_clients, "fit_s": fit["time/fit_s"], "wall_s": wall,
+           "parts_s": {part: fit[f"time/{part}_s"] for part in ("client", "server", "curve")},
            "cpu_s": cpu, "curve": engine.curve, "best_val": fit.get("stop/best_val_acc")}
     if "anapfl/lambda" in fit:
         row["setting"] += f" (chose λ = {fit['anapfl/lambda']:.1f})"
@@ -315,6 +320,18 @@ def report_lines(rows: list[dict], args: argparse.Namespace, machine: str,
             lines.append(f"| {r['method']} | {r['lr']:g} | {r['rounds']} | {percent(r['acc'])} | {percent(top)} "
                          f"({at}) |" + "".join(f" {reached(r, accuracy)} |" for _, accuracy in targets))
     fits = [r for r in rows if r["wall_s"] is not None]
+    lines += ["", "The fit's seconds by part (the kept run; `curve`: the learning curve, the test split scored "
+              "every round; `rest`: what none of the three holds, Lightning's loop and the round's bookkeeping; "
+              "no checkpoints or logs here, which `python -m workbench fit` adds: "
+              "benchmarks/results/deepafl_fit_time.md):", "",
+              "| method | fit s | clients s | server s | curve s | rest s | fit / (clients + server) | "
+              "fit / (clients + server + curve) |", "|---|---|---|---|---|---|---|---|"]
+    for r in fits:
+        parts = r["parts_s"]
+        work = parts["client"] + parts["server"]
+        lines.append(f"| {r['method']} | {r['fit_s']:.2f} | {parts['client']:.2f} | {parts['server']:.2f} | "
+                     f"{parts['curve']:.2f} | {r['fit_s'] - work - parts['curve']:.2f} | {ratio(r['fit_s'], work)} | "
+                     f"{ratio(r['fit_s'], work + parts['curve'])} |")
     lines += ["", "Where the time goes: wall seconds of fit + test + Lightning's setup, every learning rate of a "
               "gradient method's grid together (CPU seconds of this process, all threads): " +
               ", ".join(f"{r['method']} {r['wall_s']:.0f} ({r['cpu_s']:.0f})"
