@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import warnings
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from workbench.federation.secure_aggregation import (
     secagg_plus_parameters,
     secure_aggregator,
 )
-from workbench.methods import AFL, FedAvg
+from workbench.methods import AFL, FedAvg, Problem
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -300,3 +301,53 @@ def test_fedavg_rounds_under_secagg_plus_give_the_plain_model(fit_method):
         fit_method(method, data())
         weights.append(method.flat_parameters())
     assert relative_error(weights[1], weights[0]) <= 1e-6
+
+
+def test_secagg_plus_that_no_round_can_unmask_is_refused_before_any_work_and_its_fixes_work(tmp_path):
+    """K = 3, dropout 0.34: every client neighbours both others (k = 2, t = 2) and one drops out
+    of every round, so each survivor's self-mask seed has one surviving holder of the two shares
+    needed. Refused in one line before any run folder, naming fixes that work (a larger degree
+    cannot: there are no more clients to hold shares); each named fix then fits."""
+    from workbench.cli import main
+    from workbench.engines.round import FitProtocol
+
+    args = ["fit", "--model=AFL", "--data=FederatedDataModule", "--data.dataset=synthetic", "--data.num_clients=3",
+            "--data.partition=iid", "--federation.secure_aggregation=true", "--wandb=disabled",
+            "--federation.secure_aggregation_graph=sparse", "--trainer.enable_progress_bar=false",
+            f"--run_dir={tmp_path}"]
+    refusal = (r"^SecAgg\+ cannot unmask a round here: among 3 clients each one neighbours all 2 others, 1 drop out "
+               r"of every round \(federation.dropout=0.34\), .* has 1 surviving holder of the 2 shares it needs: set "
+               r"federation.secure_aggregation_graph=complete \(all-pairs masks recover any dropout\) or "
+               r"federation.dropout below 0.167 \(at most 0 of 3 dropping out\)$")
+    with pytest.raises(ValueError, match=refusal):
+        main([*args, "--federation.dropout=0.34"])
+    assert not any(tmp_path.iterdir())
+    federation = Federation(secure_aggregation=True, secure_aggregation_graph="sparse", dropout=0.34)
+    with pytest.raises(ValueError, match=r"^SecAgg\+ cannot unmask"):  # anyone running rounds meets it too
+        FitProtocol.start(set_up(AFL(), 3), federation, 3)
+    for fix in ("--federation.secure_aggregation_graph=complete", "--federation.dropout=0.16"):
+        dropout = [] if "dropout" in fix else ["--federation.dropout=0.34"]
+        main([*args, *dropout, fix, f"--run_name={fix.split('.')[-1]}"])
+    # with k < n − 1 (14 clients, k = 4) a round's dropouts hit one client's neighbours by chance: not refused
+    FitProtocol.start(set_up(AFL(), 14), Federation(
+        secure_aggregation=True, secure_aggregation_graph="sparse", secagg_degree=4, dropout=0.3), 14)
+
+
+def set_up(method, num_clients: int):
+    method.setup(Problem((8,), 4, num_clients))
+    return method
+
+
+def test_a_threshold_of_one_share_is_warned_about():
+    from workbench.federation.secure_aggregation import check_secure_aggregation
+
+    chosen = Federation(secure_aggregation=True, secure_aggregation_graph="sparse", secagg_degree=4, secagg_threshold=1)
+    with pytest.warns(UserWarning, match=r"threshold of one share \(federation.secagg_threshold=1\): any one "
+                                         r"neighbour's share reveals a client's secrets.*leave federation.secagg_thr"):
+        check_secure_aggregation(chosen, 10, 10)
+    two = Federation(secure_aggregation=True, secure_aggregation_graph="sparse")  # n = 2: k = 1, so t = 1
+    with pytest.warns(UserWarning, match=r"threshold of one share \(2 clients\).*upload; use federation.secure_aggr"):
+        check_secure_aggregation(two, 2, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_secure_aggregation(Federation(secure_aggregation=True, secure_aggregation_graph="sparse"), 10, 10)

@@ -58,6 +58,7 @@ from workbench.engines.round import FitProtocol, Rejoins, RoundResult, Transport
 from workbench.engines.stopping import Stopping
 from workbench.federation import Federation, codec
 from workbench.federation.privacy import clip_features
+from workbench.federation.secure_aggregation import check_secure_aggregation
 from workbench.methods.base import FederatedMethod, Problem
 from workbench.runlog import save_client_events, save_per_client_table
 from workbench.settings import init_arguments, plain
@@ -199,6 +200,8 @@ class LightningEngine(LightningModule):
         self.method.setup(self.problem_of(data))
         if fitting:
             self._check_protocol()
+            check_secure_aggregation(self.federation, self.method.num_clients,
+                                     len(torch.unique(data.train_client_ids)))
             self._check_stopping(data)
             self.method.check_data(data)
 

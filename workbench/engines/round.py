@@ -39,7 +39,12 @@ from torch import Tensor
 from workbench.federation import Federation, codec, messages_bytes
 from workbench.federation.client_step import wire_spec
 from workbench.federation.privacy import CLIP_NORM_BYTES, FitPrivacy
-from workbench.federation.secure_aggregation import SecureAggregator, UploadLayout, secure_aggregator
+from workbench.federation.secure_aggregation import (
+    SecureAggregator,
+    UploadLayout,
+    check_secure_aggregation,
+    secure_aggregator,
+)
 from workbench.methods.base import FederatedMethod, Metrics
 
 
@@ -172,8 +177,10 @@ class FitProtocol:
     @classmethod
     def start(cls, method: FederatedMethod, federation: Federation, population: int,
               clip_norm: float | None = None) -> FitProtocol:
-        """A fit's protocol over `population` clients with data; refuses a fit over its privacy
-        budget before any round. `clip_norm`: a resumed fit's adaptive clip norm."""
+        """A fit's protocol over `population` clients with data; refuses, before any round, a fit
+        over its privacy budget or whose SecAgg+ no round can unmask (`check_secure_aggregation`).
+        `clip_norm`: a resumed fit's adaptive clip norm."""
+        check_secure_aggregation(federation, method.num_clients, population)
         return cls(federation, FitPrivacy(method, federation, population, clip_norm))
 
 

@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import warnings
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -555,9 +556,12 @@ class SecureAggregator:
             return shamir.reconstruct(revealed.get((kind, client), {}), self.threshold,
                                       what=f"client {client}'s {what}")
         except ValueError as error:
+            every_other = self.degree >= len(self.participants) - 1  # a larger degree adds no holder
             raise RuntimeError(
-                f"round {self.round_index}: {error} (of its {len(self.sparse_neighbours[client])} neighbours): lower "
-                "federation.secagg_threshold, raise federation.secagg_degree, or lower federation.dropout") from None
+                f"round {self.round_index}: {error} (of its {len(self.sparse_neighbours[client])} neighbours): "
+                + ("set federation.secure_aggregation_graph=complete or lower federation.dropout" if every_other else
+                   "lower federation.secagg_threshold, raise federation.secagg_degree, or lower federation.dropout")
+            ) from None
 
     def costs(self, uploaded: Collection[int]) -> dict[str, int]:
         """What the round costs, from the protocol's structure (the same on every process):
@@ -578,6 +582,56 @@ class SecureAggregator:
                     1 for j in dropped for i in self.neighbours[j] if i in survivors)}
 
 
+def secagg_plus_settings(federation, num_participants: int) -> tuple[int, int]:
+    """SecAgg+'s (k, t) for a round of `num_participants` under `federation`: the configured ones,
+    or those `secagg_plus_parameters` chooses for n (a configured k alone gets its security t)."""
+    n = num_participants
+    rule_degree, rule_threshold = secagg_plus_parameters(n, federation.dropout, federation.secagg_corrupt_fraction)
+    degree = federation.secagg_degree or rule_degree
+    threshold = federation.secagg_threshold or (
+        rule_threshold if degree == rule_degree else
+        security_threshold(min(degree, n - 1), n, federation.secagg_corrupt_fraction))
+    return degree, threshold
+
+
+def check_secure_aggregation(federation, num_clients: int, population: int) -> None:
+    """Before any round of a fit over `num_clients` (K) clients, `population` of them with data:
+    SecAgg+ settings that no round can unmask are refused (ValueError naming a fix that works),
+    and a threshold of one share is warned about.
+
+    Where every client neighbours all the others (k ≥ n − 1, as at small n), each survivor's
+    self-mask seed has the n − 1 − m other survivors as its only holders, m = round(dropout · K)
+    the clients that drop out of every round (the cohort being every client with data): fewer than
+    t and round 0 fails after its work. A larger k cannot help there; all-pairs masks recover any
+    dropout, and fewer dropouts leave enough holders. (With k < n − 1 whether a round's dropouts
+    hit t of one client's k neighbours is chance, which the rule's k and t bound.)"""
+    if not (federation.secure_aggregation and federation.secure_aggregation_graph == "sparse") or population < 2:
+        return
+    n = population
+    degree, threshold = secagg_plus_settings(federation, n)
+    if threshold == 1:
+        chosen = federation.secagg_threshold is not None
+        why = "federation.secagg_threshold=1" if chosen else f"{n} clients"
+        fix = ("leave federation.secagg_threshold unset (a majority of the neighbours, chosen for the corrupt "
+               "fraction) or " if chosen else "")
+        warnings.warn(f"SecAgg+ with a threshold of one share ({why}): any one neighbour's share reveals a client's "
+                      "secrets, so a single corrupt neighbour and the server unmask its upload; "
+                      f"{fix}use federation.secure_aggregation_graph=complete", UserWarning, stacklevel=1)
+    dropped = round(federation.dropout * num_clients)
+    if federation.sample_rate < 1 or n != num_clients or dropped == 0 or min(degree, n - 1) < n - 1:
+        return  # cohorts, or clients without data: how many of a round's clients drop out varies
+    holders, most = n - 1 - dropped, n - 1 - threshold  # survivors holding a seed; the most dropouts that leave t
+    if holders < threshold:
+        below = (most + 0.5) / num_clients  # round(dropout · K) ≤ most
+        lower = f"federation.dropout below {below:.3g} (at most {most} of {num_clients} dropping out)"
+        raise ValueError(
+            f"SecAgg+ cannot unmask a round here: among {n} clients each one neighbours all {n - 1} others, "
+            f"{dropped} drop out of every round (federation.dropout={federation.dropout:g}), and each survivor's "
+            f"self-mask seed then has {holders} surviving holder{'s' if holders != 1 else ''} of the {threshold} "
+            f"shares it needs: set federation.secure_aggregation_graph=complete (all-pairs masks recover any "
+            f"dropout) or {lower}")
+
+
 def secure_aggregator(federation, participants: Iterable[int], round_index: int,
                       symmetric: Collection[str] = ()) -> SecureAggregator:
     """The round's aggregator under `federation` (a `Federation`): its graph, and for SecAgg+ the
@@ -585,13 +639,7 @@ def secure_aggregator(federation, participants: Iterable[int], round_index: int,
     participants = sorted({int(c) for c in participants})
     degree = threshold = None
     if federation.secure_aggregation_graph == "sparse":
-        rule_degree, rule_threshold = secagg_plus_parameters(len(participants), federation.dropout,
-                                                             federation.secagg_corrupt_fraction)
-        degree = federation.secagg_degree or rule_degree
-        threshold = federation.secagg_threshold or (
-            rule_threshold if degree == rule_degree else
-            security_threshold(min(degree, len(participants) - 1), len(participants),
-                               federation.secagg_corrupt_fraction))
+        degree, threshold = secagg_plus_settings(federation, len(participants))
     return SecureAggregator(participants, seed=federation.seed, round_index=round_index,
                             fixed_point_bits=federation.fixed_point_bits, symmetric=symmetric,
                             graph=federation.secure_aggregation_graph, degree=degree, threshold=threshold)
