@@ -32,10 +32,12 @@ def test_fedavg_under_secagg_plus_over_flower_equals_in_process(tmp_path):
     pytest.importorskip("ray", reason="Flower simulations need Ray: pip install -e '.[flower]'")
     from tests.engines.conftest import COMM, assert_same_state, fedavg, over_both
 
-    # 3 clients, one drops each round: each survivor keeps 1 surviving neighbour, so t = 1
+    # 3 clients, one drops each round: each survivor keeps 1 surviving neighbour, so t = 1 (warned:
+    # one share reveals a secret)
     federation = Federation(dropout=0.34, secure_aggregation=True, secure_aggregation_graph="sparse",
                             secagg_threshold=1, seed=3)
-    engine, reference = over_both(fedavg, {"personalized": True}, federation, tmp_path)
+    with pytest.warns(UserWarning, match="threshold of one share"):
+        engine, reference = over_both(fedavg, {"personalized": True}, federation, tmp_path)
     assert_same_state(engine.method, reference.method, 1e-6)
     for key in (*COMM, "comm/secagg_mask_streams_per_client", "comm/secagg_share_bytes_per_client"):
         assert engine.fit_metrics[key] == reference.fit_metrics[key], key
