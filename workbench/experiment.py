@@ -47,6 +47,7 @@ from workbench.engines.flower_settings import FlowerSettings
 from workbench.engines.lightning import check_epoch_limit
 from workbench.engines.stopping import Stopping
 from workbench.federation import Federation
+from workbench.federation.systems import Systems
 from workbench.files import NoRoom, out_of_room, remove_orphaned_temporaries, replaced_atomically, write_text_atomically
 from workbench.methods import FederatedMethod
 from workbench.runlog import default_run_name, finish_run, log_hparams, make_loggers, print_summary
@@ -266,6 +267,7 @@ class WorkbenchCLI(LightningCLI):
         self.model = LightningEngine(self.method, self._get(self.config_init, "federation"),
                                      eval_every=self._get(self.config, "eval_every", default=1),
                                      stopping=self._get(self.config_init, "stopping"),
+                                     systems=self._get(self.config_init, "systems"),
                                      other_data=self._get(self.config, "other_data", default=False))
         if os.environ.get("LOCAL_RANK", "0") == "0":
             # the data first (partition, labels, features, the cache), then the method, protocol and
@@ -304,6 +306,11 @@ class WorkbenchCLI(LightningCLI):
                             help="the stopping rule: patience (rounds without a gain of more than min_delta in "
                                  "validation accuracy, then the fit stops; 0: every round), min_delta; needs "
                                  "data.val_fraction, best with data.val_split=clients")
+        parser.add_argument("--systems", type=Systems, default=Systems(),
+                            help="the clients' devices and links, a simulated clock (latency/round_s, "
+                                 "latency/total_s) and a round deadline: preset (cellular, wifi, datacenter), "
+                                 "down_mbps, up_mbps, rtt_ms, speed, spread, availability, deadline_s, over_select, "
+                                 "row_s, seed")
         parser.add_argument("--other_data", type=bool, default=False,
                             help="with --ckpt_path: accept a checkpoint made under other data settings (dataset, "
                                  "partition, K, seeds, features, splits) on purpose; refused by default")

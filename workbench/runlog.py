@@ -307,6 +307,10 @@ def print_summary(trainer, engine, checkpoint: Path | None = None,
         f"(clients {metrics.get('time/client_s', float('nan')):.2f} s, "
         f"server {metrics.get('time/server_s', float('nan')):.2f} s, "
         f"learning curve {metrics.get('time/curve_s', float('nan')):.2f} s)",
+        *([f"simulated time    {metrics['latency/total_s']:,.1f} s on the clients' links "
+           f"({engine.systems.describe()}"
+           + (f"; {int(metrics['latency/stragglers_total'])} stragglers dropped)" if metrics.get(
+               "latency/stragglers_total") else ")")] if "latency/total_s" in metrics else []),
         f"logs              {trainer.log_dir}",
     ]
     if wall_s is not None:  # beside fit time: imports, extraction and the engine's start too

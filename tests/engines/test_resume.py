@@ -30,6 +30,10 @@ METHODS = {
     "deepafl": (["--model=DeepAFL", "--model.num_layers=2", "--model.hidden_dim=16", "--model.block_dim=16"],
                 None, None, "TERM", 2),
     "osfed": (["--model=OSFED", "--model.hidden_dim=8", "--model.snapshot.lbfgs_steps=5"], 3, 3, "TERM", 1),
+    # a deadline (client 2's link is the slowest): the resumed fit drops the same stragglers, with the
+    # clock's measurements from the checkpoint
+    "fedavg_deadline": (["--model=FedAvg", "--model.architecture=linear", "--systems.preset=cellular",
+                         "--systems.row_s=1e-4", "--systems.deadline_s=0.1"], 4, 4, "TERM", 2),
     # sampled clients: the checkpoint's table of control variates holds only those that took part
     "scaffold_sampled": (["--model=SCAFFOLD", "--model.architecture=linear", "--model.sample_fraction=0.5"],
                          4, 4, "TERM", 1),
@@ -116,6 +120,10 @@ def test_an_interrupted_fit_resumed_gives_the_same_model_and_traffic(fits, name)
         assert torch.equal(expected[key], got[key]), key
     for metric in ("comm/bytes_up", "comm/bytes_down", "comm/rounds"):
         assert last_logged(resumed, metric) == last_logged(whole, metric), metric
+    if "--systems.deadline_s=0.1" in METHODS[name][0]:  # the clock goes on: one straggler a round
+        assert last_logged(resumed, "latency/stragglers_total") == last_logged(whole, "latency/stragglers_total") == 4
+        assert last_logged(resumed, "latency/total_s") == pytest.approx(last_logged(whole, "latency/total_s"),
+                                                                        rel=0.05)  # (the server's measured seconds)
     # the interrupted run logged its rounds; the resumed one starts at the next
     assert last_logged(interrupted, "comm/rounds") == after
     rows = [row for row in csv.DictReader((resumed / "metrics.csv").open()) if row.get("comm/rounds")]

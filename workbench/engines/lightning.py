@@ -59,6 +59,7 @@ from workbench.engines.stopping import Stopping
 from workbench.federation import Federation, codec
 from workbench.federation.privacy import clip_features
 from workbench.federation.secure_aggregation import check_secure_aggregation
+from workbench.federation.systems import SimulatedClock, Systems, check_systems
 from workbench.methods.base import FederatedMethod, Problem
 from workbench.runlog import save_client_events, save_per_client_table
 from workbench.settings import init_arguments, plain
@@ -106,11 +107,14 @@ class LightningEngine(LightningModule):
             accuracy ends the fit before `num_rounds`; default none.
         other_data: load a checkpoint made under other data settings (another partition, seed,
             K, features, split) on purpose; by default that is refused, each difference named.
+        systems: the clients' device and network profiles (`workbench.federation.systems`): a
+            simulated clock logs `latency/round_s` and `latency/total_s`, and a round deadline
+            drops late clients as stragglers; default none.
     """
 
     def __init__(self, method: FederatedMethod, federation: Federation | None = None,
                  clients: Transport | None = None, eval_every: int = 1, stopping: Stopping | None = None,
-                 other_data: bool = False) -> None:
+                 other_data: bool = False, systems: Systems | None = None) -> None:
         super().__init__()
         # A Trainer without max_epochs is how to run the engine (it sets the limit from the rounds):
         # Lightning's notice that it chose 1000 epochs says nothing here (set here, not at import, so
@@ -127,6 +131,7 @@ class LightningEngine(LightningModule):
                              f"0: none), got {eval_every!r}")
         self.eval_every = eval_every
         self.stopping = stopping or Stopping()
+        self.systems = systems or Systems()
         self.other_data = other_data
         self._stop = False  # the stopping rule ended the fit after this round
         self.curve: list[dict[str, float]] = []  # the learning curve's points, one per scored round
@@ -202,6 +207,8 @@ class LightningEngine(LightningModule):
             self._check_protocol()
             check_secure_aggregation(self.federation, self.method.num_clients,
                                      len(torch.unique(data.train_client_ids)))
+            if self.systems.active:
+                check_systems(self.systems, self.federation, in_process=self.remote_clients is None)
             self._check_stopping(data)
             self.method.check_data(data)
 
@@ -277,8 +284,16 @@ class LightningEngine(LightningModule):
         self._totals.pop("fit_s", None)
         self._restored_totals = None
         self.client_events, self._restored_events = list(self._restored_events or []), None
+        clock = None
+        if self.systems.active:  # a resumed fit keeps the clock's measurements
+            check_systems(self.systems, self.federation,
+                          in_process=self.remote_clients is None and self.trainer.world_size == 1)
+            rows = torch.bincount(self.data.train_client_ids.cpu(), minlength=self.method.num_clients)
+            clock = SimulatedClock(self.systems, rows, row_s=self._totals.pop("latency_row_s", None),
+                                   upload_bytes=self._totals.pop("latency_upload_bytes", None))
+            self._totals.setdefault("latency_s", 0.0)
         self.protocol = FitProtocol.start(self.method, self.federation, len(self.available),
-                                          clip_norm=self._totals.pop("dp_clip_norm", None))
+                                          clip_norm=self._totals.pop("dp_clip_norm", None), clock=clock)
         self.curve = []
         self._stop = False
         self._check_stopping(self.data)
@@ -341,6 +356,12 @@ class LightningEngine(LightningModule):
                          + [[result.round_index, client, "missing", why] for client, why in missing])
         if self.protocol.privacy.clip_norm is not None:
             totals["dp_clip_norm"] = self.protocol.privacy.clip_norm
+        clock = self.protocol.clock
+        if clock is not None and result.latency_s is not None:  # the clock's measurements go on after a resume
+            totals["latency_s"] += result.latency_s
+            totals["latency_stragglers"] = totals.get("latency_stragglers", 0.0) + result.metrics["latency/stragglers"]
+            totals["latency_row_s"] = clock.row_s or 0.0
+            totals["latency_upload_bytes"] = clock.upload_bytes or 0.0
 
     def _log_events(self, events: list[list]) -> None:
         """Clients' [round, client, event, why] rows: into `client_events.csv` and on stderr."""
@@ -380,6 +401,9 @@ class LightningEngine(LightningModule):
             "time/server_s": totals["server_s"],
             "time/curve_s": totals["curve_s"],
         })
+        if "latency_s" in totals:  # the simulated clock: seconds the rounds took on the clients' links
+            self.fit_metrics["latency/total_s"] = totals["latency_s"]
+            self.fit_metrics["latency/stragglers_total"] = totals.get("latency_stragglers", 0.0)
         if self.federation.secure_aggregation:  # masking (client time) and unmasking (server time)
             self.fit_metrics["time/secure_aggregation_s"] = totals["secure_s"]
             self.fit_metrics.update({  # beside comm/bytes_up_per_client: totals over the fit / K
@@ -412,6 +436,8 @@ class LightningEngine(LightningModule):
         if len(point) > 1:  # its own bytes: the row's comm/* hold the totals when the row is logged
             point.update({f"round/{key}": self.fit_metrics[f"comm/{key}"]
                           for key in ("bytes_up_per_client", "bytes_down_per_client")})
+            if "latency/total_s" in self.fit_metrics:
+                point["round/latency_s"] = self.fit_metrics["latency/total_s"]
             self.curve.append(point)
             self.fit_metrics.update({"round/round": point["round"],
                                      **{key: value for key, value in point.items() if key.startswith("round/")}})

@@ -8,13 +8,14 @@ state stays current, e.g. DeepAFL's Φ) but what they send is lost.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 
 import torch
 from torch import Tensor
 
-from workbench.engines.round import Replies, RoundRequest, add_metrics, layout_of
+from workbench.engines.round import Calibration, Replies, RoundRequest, add_metrics, layout_of
 from workbench.federation.client_step import client_step
 from workbench.federation.privacy import clip_features
 from workbench.methods.base import ClientHalf, Cohort, FederatedMethod
@@ -86,6 +87,24 @@ class LocalClients:
             replies.masked = secure.total
         replies.client_s = time.perf_counter() - start
         return replies
+
+    def calibrate(self, request: RoundRequest, client: int, repeats: int = 5) -> Calibration:
+        """`client`'s step of `request`'s round on a throwaway copy of the client half (the
+        clients' own state untouched), timed: the fastest of `repeats` after one untimed (the
+        first call's allocations are not the step's), each on a fresh copy."""
+        clients = torch.tensor([client], device=self.served.device)
+        seconds, message = math.inf, None
+        for attempt in range(repeats + 1):
+            half = self.method.client_half()
+            half.setup_clients(self.served, len(self.data.labels))
+            start = time.perf_counter()
+            message = client_step(half, self.method.uploads, request.round_index, request.broadcast,
+                                  self.cohort(clients), request.clip_norm)
+            if attempt:  # the first one warms up
+                seconds = min(seconds, time.perf_counter() - start)
+        assert message is not None
+        return Calibration(layout_of(message.uploads), message.bytes_up, seconds,
+                           int(self.ends[client] - self.starts[client]))
 
     def _mine(self, clients: Tensor) -> Tensor:
         return clients[torch.isin(clients, self.served.to(clients.device))]

@@ -10,7 +10,8 @@
    (`Federation.sampled_clients`, then `FederatedMethod.plan_round`): who takes part, and the
    broadcast;
 2. **drop**: the protocol's dropouts of the round (`Federation.dropped_clients`): those clients
-   get the broadcast and compute, but their uploads never arrive;
+   get the broadcast and compute, but their uploads never arrive; with systems profiles
+   (`workbench.federation.systems`), so do the stragglers a deadline or over-selection leaves out;
 3. **mask**: under secure aggregation, the round's `SecureAggregator` over the cohort;
 4. **move**: the transport runs the clients' step (`Transport.update`: in this process, over
    several processes, over Flower) and returns what reached the server from the survivors; a
@@ -20,7 +21,8 @@
    and the server half's update (`FederatedMethod.finish_round`);
 6. **count**: bytes up as each client's message costs on the wire (`codec`, secure aggregation's
    ring elements), bytes down as the broadcast (and client-level DP's clip norm) to every client of
-   the cohort; the clients' and the server's seconds.
+   the cohort; the clients' and the server's seconds; with systems profiles, the round's simulated
+   seconds on the clients' links (`SimulatedClock`).
 
 `run_final` sends the final broadcast to every client and runs their local work. The engines
 (`LightningEngine` in process and over Flower, `FederatedDDPStrategy` across processes) call
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -45,6 +47,7 @@ from workbench.federation.secure_aggregation import (
     check_secure_aggregation,
     secure_aggregator,
 )
+from workbench.federation.systems import EveryClientLate, SimulatedClock, check_systems
 from workbench.methods.base import FederatedMethod, Metrics
 
 
@@ -126,6 +129,26 @@ class Transport(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """One client's step of a round, run apart to time it (`Calibrates`): its upload's layout
+    (names, shapes, dtypes), its message's bytes on the wire (plain), seconds, training rows."""
+
+    layout: dict[str, Tensor]
+    bytes_up: int
+    seconds: float
+    rows: int
+
+
+@runtime_checkable
+class Calibrates(Protocol):
+    """A transport that can time one client's step apart, its clients' state untouched (in-process
+    clients): what the simulated clock measures the client step with."""
+
+    def calibrate(self, request: RoundRequest, client: int) -> Calibration:
+        ...
+
+
 @runtime_checkable
 class Rejoins(Protocol):
     """A transport whose clients can go missing and come back (Flower's)."""
@@ -146,7 +169,8 @@ class RoundResult:
     metrics: the server's, the clients' means over the survivors, the protocol's (`privacy/*`,
         `comm/secagg_*`, `comm/clients_*`);
     client_time_sums: the clients' `time/*` metrics summed over them (totals, not means);
-    secagg_costs: secure aggregation's mask streams and share bytes (`SecureAggregator.costs`).
+    secagg_costs: secure aggregation's mask streams and share bytes (`SecureAggregator.costs`);
+    latency_s: the round's simulated seconds (`SimulatedClock`), None without systems profiles.
     """
 
     round_index: int
@@ -164,46 +188,72 @@ class RoundResult:
     secagg_costs: dict[str, int] = field(default_factory=dict)
     missing: dict[int, str] = field(default_factory=dict)
     rejoined: dict[int, bool] = field(default_factory=dict)
+    latency_s: float | None = None
 
 
 @dataclass
 class FitProtocol:
     """The protocol of one fit: the federation's settings and what they keep across rounds
-    (client-level DP's clip norm, the ε accounting: `FitPrivacy`)."""
+    (client-level DP's clip norm, the ε accounting: `FitPrivacy`; the simulated clock, if the
+    clients have systems profiles: `SimulatedClock`)."""
 
     federation: Federation
     privacy: FitPrivacy
+    clock: SimulatedClock | None = None
 
     @classmethod
     def start(cls, method: FederatedMethod, federation: Federation, population: int,
-              clip_norm: float | None = None) -> FitProtocol:
+              clip_norm: float | None = None, clock: SimulatedClock | None = None) -> FitProtocol:
         """A fit's protocol over `population` clients with data; refuses, before any round, a fit
-        over its privacy budget or whose SecAgg+ no round can unmask (`check_secure_aggregation`).
-        `clip_norm`: a resumed fit's adaptive clip norm."""
+        over its privacy budget, whose SecAgg+ no round can unmask (`check_secure_aggregation`)
+        or whose systems settings the protocol cannot honour (`check_systems`). `clip_norm`: a
+        resumed fit's adaptive clip norm."""
         check_secure_aggregation(federation, method.num_clients, population)
-        return cls(federation, FitPrivacy(method, federation, population, clip_norm))
+        if clock is not None:
+            check_systems(clock.systems, federation)
+        return cls(federation, FitPrivacy(method, federation, population, clip_norm), clock)
 
 
 def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtocol, available: Tensor) -> RoundResult:
     """Round `method.round` of `method` over `transport` under `protocol`, among the `available`
     clients (sorted ids of the clients with data); the method ends the round updated and counted."""
-    federation, privacy = protocol.federation, protocol.privacy
+    federation, privacy, clock = protocol.federation, protocol.privacy, protocol.clock
     round_index = method.round
     start = time.perf_counter()
     rejoined = _rejoin(method, transport, available.device)
-    plan = method.plan_round(federation.sampled_clients(round_index, available))
+    if clock is not None:
+        available = clock.online(round_index, available)
+    sampled = federation.sampled_clients(round_index, available)
+    target = None
+    if clock is not None and clock.systems.over_select > 0:  # ask more, keep the first `target` replies
+        target, asked = len(sampled), clock.asked(len(sampled), len(available))
+        sampled = replace(federation, sample_rate=asked / len(available)).sampled_clients(round_index, available)
+    plan = method.plan_round(sampled)
     cohort = plan.clients.to(available.device)
     dropped = federation.dropped_clients(round_index, method.num_clients).to(cohort.device)[cohort]
-    survivors, lost = cohort[~dropped], cohort[dropped]
-    if len(survivors) == 0:
-        raise RuntimeError(f"every client dropped out of round {round_index} (federation.dropout = "
-                           f"{federation.dropout}, sample_rate = {federation.sample_rate}): lower the dropout "
-                           "or raise the sample rate")
     spec = wire_spec(method.uploads, privacy.clip_norm is not None)
     secure = (secure_aggregator(federation, cohort.tolist(), round_index, codec.symmetric_names(spec))
               if federation.secure_aggregation else None)
-    request = RoundRequest(round_index, plan.broadcast, survivors, lost, spec, secure, privacy.clip_norm)
-    server_s = time.perf_counter() - start
+    request = RoundRequest(round_index, plan.broadcast, cohort[~dropped], cohort[dropped], spec, secure,
+                           privacy.clip_norm)
+    bytes_down = messages_bytes(plan.broadcast) + (CLIP_NORM_BYTES if privacy.clip_norm is not None else 0)
+    decided, calibration_s = None, 0.0
+    if clock is not None:
+        calibration_s = _calibrate(clock, transport, request, cohort, secure)
+        if clock.systems.deadline_s is not None or target is not None:  # late replies drop as stragglers
+            decided = clock.decide(cohort, ~dropped, target, bytes_down)
+            dropped = dropped | decided.stragglers.to(dropped.device)
+            request = replace(request, survivors=cohort[~dropped], lost=cohort[dropped])
+    survivors, lost = request.survivors, request.lost
+    if len(survivors) == 0:
+        if decided is not None and bool(decided.stragglers.any()):
+            raise EveryClientLate(f"every client of round {round_index} missed systems.deadline_s = "
+                               f"{clock.systems.deadline_s} s (simulated; the first would reply after "  # type: ignore[union-attr]
+                               f"{decided.first_s:.3g} s): raise the deadline")
+        raise RuntimeError(f"every client dropped out of round {round_index} (federation.dropout = "
+                           f"{federation.dropout}, sample_rate = {federation.sample_rate}): lower the dropout "
+                           "or raise the sample rate")
+    server_s = time.perf_counter() - start - calibration_s
 
     replies = transport.update(request)
     if replies.missing:  # their uploads never came: dropped after being asked, as the protocol's dropouts
@@ -249,11 +299,39 @@ def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtoc
     if secure is not None:
         metrics.update({"comm/secagg_degree": float(secure.degree), "comm/secagg_threshold": float(secure.threshold)})
         costs = secure.costs(survivors.tolist())
-    down_per_client = messages_bytes(plan.broadcast) + (CLIP_NORM_BYTES if privacy.clip_norm is not None else 0)
+    latency_s = None
+    if clock is not None:
+        bytes_up = replies.bytes_up / len(survivors)
+        clock.upload_bytes = bytes_up
+        latency_s = clock.round_seconds(survivors, bytes_down, bytes_up, decided, server_s)
+        metrics.update({"latency/round_s": latency_s,
+                        "latency/stragglers": float(decided.stragglers.sum()) if decided is not None else 0.0})
     return RoundResult(round_index, cohort, survivors, lost, uploads, metrics, bytes_up=replies.bytes_up,
-                       bytes_down=down_per_client * (len(cohort) - replies.not_sent), client_s=replies.client_s,
+                       bytes_down=bytes_down * (len(cohort) - replies.not_sent), client_s=replies.client_s,
                        server_s=server_s, secure_s=secure_s, client_time_sums=client_times, secagg_costs=costs,
-                       missing=dict(replies.missing), rejoined=rejoined)
+                       missing=dict(replies.missing), rejoined=rejoined, latency_s=latency_s)
+
+
+def _calibrate(clock: SimulatedClock, transport: Transport, request: RoundRequest, cohort: Tensor,
+               secure: SecureAggregator | None) -> float:
+    """What the clock has yet to measure: this machine's seconds per row of the client step and
+    one client's message size, from the step of the cohort's largest client timed apart (the
+    first round of a fit). Returns the seconds it took (the server's time excludes them)."""
+    deciding = clock.systems.deadline_s is not None or clock.systems.over_select > 0
+    if clock.row_s is not None and (clock.upload_bytes is not None or not deciding):
+        return 0.0
+    if not isinstance(transport, Calibrates):
+        raise ValueError(f"the simulated clock (systems) times the client step in process; {type(transport).__name__} "
+                         "runs it elsewhere (`check_systems`)")
+    start = time.perf_counter()
+    client = int(cohort[torch.argmax(clock.rows[cohort.cpu()])])
+    measured = transport.calibrate(request, client)
+    if clock.row_s is None:
+        clock.row_s = measured.seconds / max(measured.rows, 1)
+    if clock.upload_bytes is None:
+        clock.upload_bytes = float(measured.bytes_up if secure is None
+                                   else 8 * UploadLayout(measured.layout, secure.symmetric).length)
+    return time.perf_counter() - start
 
 
 def _rejoin(method: FederatedMethod, transport: Transport, device: torch.device) -> dict[int, bool]:
