@@ -17,14 +17,14 @@ TINY = ["--config", str(ROOT / "configs/synthetic_afl.yaml"), "--trainer.enable_
 #: first by path so that sorting by accuracy has to move it), a repeat over the data seed,
 #: gradient methods with a learning curve, DeepAFL's depth curve, GH-OFL's heads, the
 #: personalized protocol (a global head, AnaPFL's branches, Ditto's personal models by round),
-#: and a CNN on raw pixels
+#: and a CNN on raw pixels; the FedAvg runs on a simulated clock (accuracy against simulated time)
 RUNS = (
     ("b_alpha0.5_k10", ["--data.alpha=0.5"]),
     ("c_alpha0.1_k10", ["--data.alpha=0.1"]),
     ("d_alpha0.1_k10_seed1", ["--data.alpha=0.1", "--data.seed=1"]),
     ("a_alpha0.5_k20_hard", ["--data.alpha=0.5", "--data.num_clients=20", "--data.synthetic.separation=1.5"]),
-    ("e_fedavg", ["--model=FedAvg", "--model.num_rounds=3"]),
-    ("f_fedavg_lr", ["--model=FedAvg", "--model.num_rounds=3", "--model.local.lr=0.3"]),
+    ("e_fedavg", ["--model=FedAvg", "--model.num_rounds=3", "--systems.preset=wifi"]),
+    ("f_fedavg_lr", ["--model=FedAvg", "--model.num_rounds=3", "--model.local.lr=0.3", "--systems.preset=wifi"]),
     ("g_deepafl", ["--model=DeepAFL", "--model.num_layers=2", "--model.hidden_dim=16", "--model.block_dim=16"]),
     ("h_ghofl", ["--model=GHOFL", "--model.heads=[nb_diag,lda]"]),
     ("i_afl_personal", ["--data.personalized=true"]),

@@ -44,3 +44,4 @@ def test_the_page_works_in_chromium(report, run_dir, tmp_path):
     assert "version_0" in seen["hover"] and "test/acc 0." in seen["hover"] and "kB" in seen["hover"]
     assert seen["personal_axis"] == "test/acc_local_mean"  # a personalized group's figure: the clients' score
     assert dict(seen["figures"])["fig-final"] == "plot" and dict(seen["figures"])["fig-rounds"] == "plot"
+    assert dict(seen["figures"])["fig-latency"] == "plot"  # the FedAvg runs' simulated clock

@@ -143,7 +143,10 @@ def test_every_method_has_a_learning_curve_with_the_bytes_sent_by_each_point(boa
     assert fedavg["up"][-1] == runs["e_fedavg/version_0"].final("comm/bytes_up_per_client")
     assert fedavg["up"][0] == pytest.approx(fedavg["up"][-1] / 3)
     assert fedavg["acc"][-1] == pytest.approx(runs["e_fedavg/version_0"].final("test/acc"), abs=1e-6)
+    latency = fedavg["latency"]  # on the simulated clock: the seconds by each point
+    assert latency == sorted(latency) and latency[-1] == runs["e_fedavg/version_0"].final("latency/total_s") > 0
     afl = records["b_alpha0.5_k10"]["curve"]  # a one-round method: one point
+    assert afl["latency"] == [None]  # no clock: no simulated time
     assert afl["round"] == [1] and afl["acc"] == [pytest.approx(records["b_alpha0.5_k10"]["score"])]
     ditto = records["k_ditto"]["curve"]  # personal models scored along the rounds
     assert ditto["round"] == [1, 2] and ditto["acc"][-1] == pytest.approx(records["k_ditto"]["score"], abs=1e-6)

@@ -18,6 +18,7 @@
     "comm/rounds": "rounds",
     "time/fit_s": "fit time (s)",
     "time/wall_s": "wall time, end to end (s)",
+    "latency/total_s": "simulated time on the clients' links (s)",
   };
   const PLOT_CONFIG = { displaylogo: false, responsive: true };
 
@@ -279,6 +280,7 @@
       note("fig-rounds", "No run of this group logged a learning curve (round/test_acc): runs written before " +
         "workbench 0.3 or with --eval_every 0.");
       note("fig-upload", "No learning curve to draw against upload.");
+      note("fig-latency", "No learning curve to draw against simulated time.");
       return;
     }
     const rounds = runs.flatMap((run) => (run.curve ? run.curve.round : []));
@@ -286,6 +288,15 @@
       yaxis: scoreAxis(group) });
     plot("fig-upload", curveTraces(runs, "up"), { title: { text: "accuracy against cumulative upload" },
       xaxis: bytesAxis("bytes uploaded per client so far", runs.flatMap((run) => (run.curve ? run.curve.up : []))),
+      yaxis: scoreAxis(group) });
+    const clocked = runs.filter((run) => run.curve && run.curve.latency && run.curve.latency.some((s) => s > 0));
+    if (!clocked.length) {
+      note("fig-latency", "No run of this group has a simulated clock: fit with systems.preset (cellular, wifi, " +
+        "datacenter) to draw accuracy against the time the rounds take on the clients' links.");
+      return;
+    }
+    plot("fig-latency", curveTraces(clocked, "latency"), { title: { text: "accuracy against simulated time" },
+      xaxis: { title: { text: "simulated seconds on the clients' links (log scale)" }, type: "log" },
       yaxis: scoreAxis(group) });
   }
   function renderFinal() {

@@ -114,6 +114,7 @@ Hover a point for its run and values, drag to zoom, double-click to reset; the c
 <div class="figures">
 <div id="fig-rounds" class="figure"></div>
 <div id="fig-upload" class="figure"></div>
+<div id="fig-latency" class="figure"></div>
 <div class="figure"><label>x axis <select id="cost"></select></label><div id="fig-final"></div></div>
 <div id="fig-parallel" class="figure"></div>
 <div id="fig-alpha" class="figure"></div>

@@ -322,15 +322,17 @@ class Run:
 
     def curve(self, metric: str) -> dict[str, list[float]] | None:
         """The learning curve of `metric` (`round/test_acc`, `round/test_acc_local_mean`): each
-        scored round with the bytes each client had sent (`up`) and received (`down`) by then,
-        as {round, acc, up, down}; None when the run never logged it."""
+        scored round with the bytes each client had sent (`up`) and received (`down`) and the
+        simulated seconds (`latency`, NaN without systems profiles) by then, as {round, acc, up,
+        down, latency}; None when the run never logged it."""
         points = {row["round/round"]: row for row in self.rows if metric in row and "round/round" in row}
         if not points:
             return None
         rounds = sorted(points)
         return {"round": rounds, "acc": [points[r][metric] for r in rounds],
                 "up": [points[r].get("round/bytes_up_per_client", math.nan) for r in rounds],
-                "down": [points[r].get("round/bytes_down_per_client", math.nan) for r in rounds]}
+                "down": [points[r].get("round/bytes_down_per_client", math.nan) for r in rounds],
+                "latency": [points[r].get("round/latency_s", math.nan) for r in rounds]}
 
     def depth_curve(self) -> dict[str, list[float]] | None:
         """DeepAFL's test accuracy by depth (`depth/test_acc` against `depth/depth`, else the
