@@ -79,8 +79,9 @@ class DataModules:
         return self.modules[key]
 
 
-def fit_method(scenario: Scenario, run: Run, data, folder: Path) -> dict[str, Any]:
-    """One method's fit and test in process, logged to `folder`: the record's numbers."""
+def fit_method(scenario: Scenario, run: Run, data, folder: Path, systems=None) -> dict[str, Any]:
+    """One method's fit and test in process, logged to `folder`: the record's numbers; under
+    `systems` (`workbench.federation.systems.Systems`) also its simulated clock's."""
     from lightning import Trainer
     from lightning.pytorch.loggers import CSVLogger
 
@@ -92,7 +93,8 @@ def fit_method(scenario: Scenario, run: Run, data, folder: Path) -> dict[str, An
     init_args = run.method.settings(run.point, run.seed, scenario.budget.rounds)
     method = build_part("model", {"class_path": run.method.class_path, "init_args": init_args})
     budget = scenario.budget
-    engine = LightningEngine(method, stopping=Stopping(patience=budget.patience, min_delta=budget.min_delta))
+    engine = LightningEngine(method, stopping=Stopping(patience=budget.patience, min_delta=budget.min_delta),
+                             systems=systems)
     trainer = Trainer(logger=CSVLogger(folder.parent, name="", version=folder.name),
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, log_every_n_steps=1, accelerator="cpu", devices=1)
@@ -110,8 +112,14 @@ def fit_method(scenario: Scenario, run: Run, data, folder: Path) -> dict[str, An
     else:
         held = [point for point in curve if "round/val_acc" in point]
         holdout = held[-1]["round/val_acc"] if held else math.nan
-    return {"test_acc": tested.get("test/acc", math.nan), "personal_acc": tested.get("test/acc_local_mean", math.nan),
-            "holdout_acc": holdout,
+    clocked, clock = {}, engine.protocol.clock
+    if clock is not None:  # the simulated seconds by then, at each scored round
+        clocked = {"latency_s": fit["latency/total_s"], "stragglers": int(fit["latency/stragglers_total"]),
+                   "row_s": clock.row_s,
+                   "latency_curve": [[point["round"], point["round/test_acc"], point["round/latency_s"]]
+                                     for point in scored]}
+    return {**clocked, "test_acc": tested.get("test/acc", math.nan),
+            "personal_acc": tested.get("test/acc_local_mean", math.nan), "holdout_acc": holdout,
             "best_test_acc": best.get("round/test_acc", math.nan), "best_round": best.get("round", math.nan),
             "rounds": int(fit["comm/rounds"]), "up_mb": fit["comm/bytes_up"] / data.num_clients / 1e6,
             "down_mb": fit["comm/bytes_down"] / data.num_clients / 1e6, "fit_s": fit["time/fit_s"],
