@@ -257,6 +257,12 @@ class LightningEngine(LightningModule):
             raise ValueError(f"{name}'s sample_fraction and federation.sample_rate would both sample clients: set "
                              "the model's sample_fraction=1 and sample with federation.sample_rate (the one the "
                              "privacy accountant credits)")
+        if protocol.adversary_fraction > 0 and self.remote_clients is not None:
+            raise ValueError("federation.adversary_fraction makes in-process clients lie; a remote transport's "
+                             "clients run their own code: set it to 0 there (or fit in process)")
+        if protocol.adversary_fraction > 0 and protocol.attack == "noise" and not codec.model_update_names(spec):
+            raise ValueError(f"federation.attack=noise noises model updates, which {name} does not send: use "
+                             "sign_flip or scale (on its statistics) or label_flip")
         if protocol.feature_clip > 0 and self.remote_clients is not None:
             raise ValueError("federation.feature_clip clips the rows of in-process clients; with a remote "
                              "transport, clip the features where the clients load them and set it to 0")

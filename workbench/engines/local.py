@@ -4,7 +4,9 @@ The in-process and multi-process engines run their clients through `LocalClients
 cohort is one `client_step` over every asked client this process serves (the speed of a
 vectorized round: 1000 clients cost little more than 10). Under secure aggregation each client
 must mask its own message, so the clients run one by one. Dropped clients run too (their own
-state stays current, e.g. DeepAFL's Φ) but what they send is lost.
+state stays current, e.g. DeepAFL's Φ) but what they send is lost. Adversarial clients
+(`federation.adversary_fraction`) train on flipped labels, or run apart from the honest ones and
+poison what they send (`workbench.federation.adversaries`).
 """
 from __future__ import annotations
 
@@ -16,8 +18,11 @@ import torch
 from torch import Tensor
 
 from workbench.engines.round import Calibration, Replies, RoundRequest, add_metrics, layout_of
+from workbench.federation import codec
+from workbench.federation.adversaries import UPLOAD_ATTACKS, flip_labels, poison, segments
 from workbench.federation.client_step import client_step
 from workbench.federation.privacy import clip_features
+from workbench.federation.protocol import ATTACK_STREAM
 from workbench.methods.base import ClientHalf, Cohort, FederatedMethod
 
 
@@ -37,6 +42,11 @@ class LocalClients:
         clip = method.federation.feature_clip
         if clip > 0:  # each client bounds its own rows, so the noise's sensitivity holds by construction
             features = clip_features(features, clip)
+        federation = method.federation
+        self.adversarial = federation.adversaries(method.num_clients)  # (K,) bool, none by default
+        if federation.attack == "label_flip" and self.adversarial.any():  # their data is poisoned once
+            flipped = self.adversarial.to(client_ids.device)[client_ids]
+            labels = torch.where(flipped, flip_labels(labels, method.num_classes), labels)
         positions = torch.arange(len(labels), device=labels.device)
         self.data = Cohort(features, labels, client_ids, served, positions, batch_size)
         counts = torch.bincount(client_ids, minlength=method.num_clients)
@@ -72,17 +82,32 @@ class LocalClients:
         mine = self._mine(request.survivors)
         if len(lost_here := self._mine(request.lost)):
             self.step(request, lost_here)
+        lying = self.method.federation.attack in UPLOAD_ATTACKS and bool(self.adversarial[mine.cpu()].any())
+        attack_noise = self.method.federation.generator(request.round_index, ATTACK_STREAM) if lying else None
         if secure is None:
-            if len(mine):
+            if len(mine) and not lying:  # the usual round: one vectorized step
                 message = self.step(request, mine)
                 replies.uploads, replies.metric_sums, replies.bytes_up = (message.uploads, message.metrics,
                                                                           message.bytes_up)
+            elif len(mine):  # honest and lying clients apart, in client order (stacked uploads keep it)
+                total: dict[str, Tensor] = {}
+                for run, adversarial in segments(mine, self.adversarial):
+                    message = self.step(request, run)
+                    uploads = self._lie(message.uploads, request, len(run), attack_noise) if adversarial \
+                        else message.uploads
+                    codec.combine(total, uploads, request.spec)
+                    add_metrics(replies.metric_sums, message.metrics)
+                    replies.bytes_up += message.bytes_up
+                replies.uploads = total
         else:
             for client in mine:
                 message = self.step(request, client[None])
-                secure.add(int(client), message.uploads)
+                uploads = message.uploads
+                if lying and bool(self.adversarial[int(client)]):
+                    uploads = self._lie(uploads, request, 1, attack_noise)
+                secure.add(int(client), uploads)
                 add_metrics(replies.metric_sums, message.metrics)
-                replies.layout = replies.layout or layout_of(message.uploads)
+                replies.layout = replies.layout or layout_of(uploads)
                 replies.bytes_up += secure.bytes_per_client
             replies.masked = secure.total
         replies.client_s = time.perf_counter() - start
@@ -105,6 +130,13 @@ class LocalClients:
         assert message is not None
         return Calibration(layout_of(message.uploads), message.bytes_up, seconds,
                            int(self.ends[client] - self.starts[client]))
+
+    def _lie(self, uploads: Mapping[str, Tensor], request: RoundRequest, count: int,
+             generator: torch.Generator | None) -> dict[str, Tensor]:
+        """What `count` adversaries computed together, as they send it (`adversaries.poison`)."""
+        federation = self.method.federation
+        assert generator is not None
+        return poison(uploads, request.spec, federation.attack, federation.attack_scale, count, generator)
 
     def _mine(self, clients: Tensor) -> Tensor:
         return clients[torch.isin(clients, self.served.to(clients.device))]

@@ -292,7 +292,10 @@ def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtoc
     for name, value in replies.metric_sums.items():  # means over the survivors; times are totals
         (client_times if name.startswith("time/") else client_means)[name] = (
             value if name.startswith("time/") else value / len(survivors))
-    metrics = {**server_metrics, **client_means, **privacy_metrics,
+    attack = {}  # (the server is not told who lied: a number for the run's reader)
+    if federation.adversary_fraction > 0:
+        attack["attack/adversaries_in_round"] = float(federation.adversaries(method.num_clients)[survivors.cpu()].sum())
+    metrics = {**server_metrics, **client_means, **privacy_metrics, **attack,
                "comm/clients_in_round": float(len(survivors)), "comm/clients_dropped": float(len(lost)),
                "comm/clients_missing": float(len(replies.missing)), "comm/clients_rejoined": float(len(rejoined))}
     costs = {}

@@ -19,6 +19,8 @@ applies to every method, and the runtime (`workbench.methods.base`) enforces it 
 - `sample_rate`, `sampling`: each round's cohort, seeded by (seed, round): `fixed` takes
   max(1, round(q·K)) of the K clients with data uniformly without replacement, `poisson` takes
   each client independently with probability q.
+- `adversary_fraction`, `attack`: a seeded share of the clients lies in what it sends (flipped
+  labels, sign-flipped or scaled uploads, noised updates: `workbench.federation.adversaries`).
 - `dp_clip`, `dp_noise_multiplier` (client-level DP for gradient methods, DP-FedAvg): each
   sampled client clips its update to norm ≤ C (`dp_clip_quantile` moves C each round towards
   that quantile of the update norms, Andrew et al. 2021); the server adds N(0, (zC)²) to the sum.
@@ -49,7 +51,7 @@ from torch import Tensor
 
 # Independent random streams of one round, derived from (seed, round, stream). The pairwise masks
 # of secure aggregation derive theirs from (seed, round, client pair).
-DROPOUT_STREAM, NOISE_STREAM, SAMPLING_STREAM = 0, 1, 2
+DROPOUT_STREAM, NOISE_STREAM, SAMPLING_STREAM, ADVERSARY_STREAM, ATTACK_STREAM = 0, 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,12 @@ class Federation:
         dp_delta: δ at which `privacy/epsilon` is reported.
         target_epsilon: a budget: a run whose ε after its last round would exceed it is refused
             before its first round (None = no budget).
-        seed: seed of the dropouts, the pairwise masks and the noise (each round draws anew).
+        adversary_fraction: f in [0, 1): round(f·K) clients, drawn once from `seed`, lie in what
+            they send (`workbench.federation.adversaries`); 0 = none.
+        attack: how they lie: `label_flip`, `sign_flip`, `scale` or `noise`.
+        attack_scale: s, the factor of `scale` and the noise's standard deviation of `noise`.
+        seed: seed of the dropouts, the pairwise masks and the noise (each round draws anew), and
+            of who the adversaries are.
     """
 
     dropout: float = 0.0
@@ -109,6 +116,9 @@ class Federation:
     dp_count_stddev: float | None = None
     dp_delta: float = 1e-5
     target_epsilon: float | None = None
+    adversary_fraction: float = 0.0
+    attack: Literal["label_flip", "sign_flip", "scale", "noise"] = "sign_flip"
+    attack_scale: float = 10.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -121,6 +131,13 @@ class Federation:
                              f"got {self.fixed_point_bits}")
         self._check_secure_aggregation()
         self._check_privacy()
+        if not 0 <= self.adversary_fraction < 1:
+            raise ValueError(f"federation.adversary_fraction must be in [0, 1) (a fraction of the clients), got "
+                             f"{self.adversary_fraction}")
+        if self.attack not in ("label_flip", "sign_flip", "scale", "noise"):
+            raise ValueError(f"federation.attack must be label_flip, sign_flip, scale or noise, got {self.attack!r}")
+        if not self.attack_scale > 0:
+            raise ValueError(f"federation.attack_scale must be > 0, got {self.attack_scale}")
         if not 0 <= self.seed < 2 ** 63:
             raise ValueError(f"federation.seed must be an integer in [0, 2⁶³), got {self.seed}")
 
@@ -197,6 +214,14 @@ class Federation:
         """The CPU generator of one random stream of one round: the same on every process."""
         state = np.random.SeedSequence([self.seed, round_index, stream]).generate_state(1, np.uint64)[0]
         return torch.Generator().manual_seed(int(state))
+
+    def adversaries(self, num_clients: int) -> Tensor:
+        """(K,) bool: the round(adversary_fraction · K) adversarial clients, the same every round."""
+        chosen = torch.zeros(num_clients, dtype=torch.bool)
+        count = round(self.adversary_fraction * num_clients)
+        if count:
+            chosen[torch.randperm(num_clients, generator=self.generator(0, ADVERSARY_STREAM))[:count]] = True
+        return chosen
 
     def dropped_clients(self, round_index: int, num_clients: int) -> Tensor:
         """(K,) bool: the clients that fail to upload in round `round_index`.
