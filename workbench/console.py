@@ -46,7 +46,12 @@ def usage() -> str:
 #: exception types that, raised by this package's own code, report a wrong input (a setting, a
 #: file, a missing extra) with a message that names the fix; anything else is a bug and keeps its
 #: traceback
-USER_ERROR_TYPES = (ValueError, OSError, ImportError, FloatingPointError)
+class RunOutcome(RuntimeError):
+    """A fit that cannot go on because of what its settings make happen (no client makes a round's
+    deadline, none is online): told in one line like a bad setting, not as a fault."""
+
+
+USER_ERROR_TYPES = (ValueError, OSError, ImportError, FloatingPointError, RunOutcome)
 PACKAGE = Path(__file__).resolve().parent
 
 

@@ -282,6 +282,15 @@ def save_client_events(rows: list[list], trainer) -> None:
             logger.log_table(key="comm/client_events", columns=columns, data=[list(r) for r in rows])
 
 
+def _simulated_time(metrics: dict, systems: str) -> str:
+    """The summary's line of the simulated clock: its seconds, the profiles, the stragglers it
+    dropped and this machine's seconds per row it timed the clients' compute with."""
+    stragglers = int(metrics.get("latency/stragglers_total", 0))
+    parts = [systems, *([f"{stragglers} straggler{'s' * (stragglers != 1)} dropped"] if stragglers else []),
+             *([f"compute {1e6 * metrics['latency/row_s']:.3g} µs a row here"] if "latency/row_s" in metrics else [])]
+    return f"simulated time    {metrics['latency/total_s']:.3g} s on the clients' links ({'; '.join(parts)})"
+
+
 def _megabytes(value: float) -> str:
     return f"{value / 1e6:,.3f} MB"
 
@@ -307,10 +316,7 @@ def print_summary(trainer, engine, checkpoint: Path | None = None,
         f"(clients {metrics.get('time/client_s', float('nan')):.2f} s, "
         f"server {metrics.get('time/server_s', float('nan')):.2f} s, "
         f"learning curve {metrics.get('time/curve_s', float('nan')):.2f} s)",
-        *([f"simulated time    {metrics['latency/total_s']:,.1f} s on the clients' links "
-           f"({engine.systems.describe()}"
-           + (f"; {int(metrics['latency/stragglers_total'])} stragglers dropped)" if metrics.get(
-               "latency/stragglers_total") else ")")] if "latency/total_s" in metrics else []),
+        *([_simulated_time(metrics, engine.systems.describe())] if "latency/total_s" in metrics else []),
         f"logs              {trainer.log_dir}",
     ]
     if wall_s is not None:  # beside fit time: imports, extraction and the engine's start too

@@ -120,7 +120,8 @@ def test_a_fit_refuses_noise_for_a_method_without_model_updates_and_lies_otherwi
 @pytest.mark.parametrize("settings, message", [
     ({"adversary_fraction": 1.0}, r"adversary_fraction must be in \[0, 1\)"),
     ({"attack": "backdoor"}, "attack must be label_flip, sign_flip, scale or noise"),
-    ({"attack_scale": 0.0}, "attack_scale must be > 0"),
+    ({"attack_scale": 0.0}, "attack_scale must be nonzero"),
+    ({"attack": "noise", "attack_scale": -1.0}, r"> 0 for noise"),
 ])
 def test_bad_attack_settings_are_one_line(settings, message):
     with pytest.raises(ValueError, match=message):

@@ -16,7 +16,7 @@ from workbench.engines.local import LocalClients
 from workbench.engines.round import FitProtocol, run_round
 from workbench.federation import Federation
 from workbench.federation.systems import PRESETS, ClientProfiles, SimulatedClock, Systems, check_systems
-from workbench.methods import AFL, FedAvg, Problem
+from workbench.methods import AFL, DeepAFL, FedAvg, Problem
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -162,9 +162,38 @@ def test_profiles_that_decide_nothing_change_no_model_and_no_byte():
     assert math.isfinite(clocked.protocol.clock.row_s) and clocked.protocol.clock.row_s > 0  # measured here
 
 
+def test_who_takes_part_varying_makes_deepafl_restate_and_stay_exact():
+    """Clients offline or late: DeepAFL asks for its statistics again each round, as under
+    dropouts, so the fit is that of `restate=true` (without it the fused recursion would reuse sums
+    of the last round's clients)."""
+    dm = data(8)
+    systems = Systems(preset="cellular", availability=0.7, row_s=1e-4, seed=3)
+    settings = {"num_layers": 3, "hidden_dim": 16, "block_dim": 16}
+    told = LightningEngine(DeepAFL(**settings), systems=systems)
+    quiet_trainer().fit(told, datamodule=dm)
+    restated = LightningEngine(DeepAFL(**settings, restate=True), systems=systems)
+    quiet_trainer().fit(restated, datamodule=dm)
+    assert told.method.participation_varies and told.method.restates
+    ours, theirs = comparable_state(told.method), comparable_state(restated.method)
+    assert all(torch.allclose(ours[key], theirs[key], rtol=1e-10, atol=1e-12) for key in ours)
+    with pytest.raises(ValueError, match=r"restate=false.*systems deadline"):
+        quiet_trainer().fit(LightningEngine(DeepAFL(**settings, restate=False), systems=systems), datamodule=dm)
+
+
+def test_a_round_with_nobody_online_is_one_line():
+    from workbench.console import USER_ERROR_TYPES
+    from workbench.federation.systems import EveryClientOffline
+
+    clock = SimulatedClock(Systems(preset="wifi", availability=0.01, seed=0), torch.full((3,), 10))
+    with pytest.raises(EveryClientOffline, match="no client is online") as raised:
+        clock.online(0, torch.arange(3))
+    assert isinstance(raised.value, USER_ERROR_TYPES)  # the command line prints it in one line
+
+
 @pytest.mark.parametrize("settings, federation, message", [
     ({"preset": "5g"}, {}, "systems.preset must be one of"),
-    ({"deadline_s": 10.0}, {}, "act on the clients' profiles: set systems.preset"),
+    ({"deadline_s": 10.0}, {}, "deadline_s acts on the clients' profiles, and there are none: set systems.preset"),
+    ({"speed": 0.5, "row_s": 1e-4}, {}, "speed, row_s acts on the clients' profiles"),
     ({"down_mbps": 10.0}, {}, "set up_mbps, rtt_ms"),
     ({"preset": "wifi", "availability": 0.0}, {}, r"availability must be in \(0, 1\]"),
     ({"preset": "wifi", "deadline_s": -1.0}, {}, "deadline_s must be > 0"),

@@ -239,6 +239,7 @@ class LightningEngine(LightningModule):
 
     def _check_protocol(self) -> None:
         name, protocol, spec = type(self.method).__name__, self.federation, self.method.uploads
+        self.method.participation_varies = self.systems.active and self.systems.decides  # (FitProtocol's too)
         self.method.check_protocol(protocol)
         stacked = sorted(codec.stacked_names(spec))
         if protocol.secure_aggregation and stacked:
@@ -257,6 +258,12 @@ class LightningEngine(LightningModule):
             raise ValueError(f"{name}'s sample_fraction and federation.sample_rate would both sample clients: set "
                              "the model's sample_fraction=1 and sample with federation.sample_rate (the one the "
                              "privacy accountant credits)")
+        if protocol.robust and not codec.model_update_names(spec):
+            raise ValueError(f"federation.aggregation={protocol.aggregation} combines clients' model updates; {name} "
+                             "sends statistics, which are summed: set federation.aggregation=mean for it")
+        if protocol.robust and self.remote_clients is not None:
+            raise ValueError(f"federation.aggregation={protocol.aggregation} runs in process (its clients' updates "
+                             "stay one row each); a remote transport's nodes sum theirs: set aggregation=mean there")
         if protocol.adversary_fraction > 0 and self.remote_clients is not None:
             raise ValueError("federation.adversary_fraction makes in-process clients lie; a remote transport's "
                              "clients run their own code: set it to 0 there (or fit in process)")
@@ -410,6 +417,8 @@ class LightningEngine(LightningModule):
         if "latency_s" in totals:  # the simulated clock: seconds the rounds took on the clients' links
             self.fit_metrics["latency/total_s"] = totals["latency_s"]
             self.fit_metrics["latency/stragglers_total"] = totals.get("latency_stragglers", 0.0)
+            if self.protocol.clock is not None and self.protocol.clock.row_s is not None:  # what the clock took
+                self.fit_metrics["latency/row_s"] = self.protocol.clock.row_s
         if self.federation.secure_aggregation:  # masking (client time) and unmasking (server time)
             self.fit_metrics["time/secure_aggregation_s"] = totals["secure_s"]
             self.fit_metrics.update({  # beside comm/bytes_up_per_client: totals over the fit / K

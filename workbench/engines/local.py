@@ -72,7 +72,7 @@ class LocalClients:
     def step(self, request: RoundRequest, clients: Tensor):
         """The client step of `clients` (sorted ids this process serves) in `request`'s round."""
         return client_step(self.half, self.method.uploads, request.round_index, request.broadcast,
-                           self.cohort(clients), request.clip_norm)
+                           self.cohort(clients), request.clip_norm, self.method.federation.robust)
 
     def update(self, request: RoundRequest) -> Replies:
         """Runs the round on this process's survivors (whose uploads count) and lost clients
@@ -116,7 +116,8 @@ class LocalClients:
     def calibrate(self, request: RoundRequest, client: int, repeats: int = 5) -> Calibration:
         """`client`'s step of `request`'s round on a throwaway copy of the client half (the
         clients' own state untouched), timed: the fastest of `repeats` after one untimed (the
-        first call's allocations are not the step's), each on a fresh copy."""
+        first call's allocations are not the step's), each on a fresh copy; `repeats` 0: the
+        untimed one only (its message's size; seconds inf)."""
         clients = torch.tensor([client], device=self.served.device)
         seconds, message = math.inf, None
         for attempt in range(repeats + 1):

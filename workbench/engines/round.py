@@ -38,7 +38,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from workbench.federation import Federation, codec, messages_bytes
+from workbench.federation import Federation, codec, messages_bytes, robust
 from workbench.federation.client_step import wire_spec
 from workbench.federation.privacy import CLIP_NORM_BYTES, FitPrivacy
 from workbench.federation.secure_aggregation import (
@@ -145,7 +145,7 @@ class Calibrates(Protocol):
     """A transport that can time one client's step apart, its clients' state untouched (in-process
     clients): what the simulated clock measures the client step with."""
 
-    def calibrate(self, request: RoundRequest, client: int) -> Calibration:
+    def calibrate(self, request: RoundRequest, client: int, repeats: int = 5) -> Calibration:
         ...
 
 
@@ -211,6 +211,7 @@ class FitProtocol:
         check_secure_aggregation(federation, method.num_clients, population)
         if clock is not None:
             check_systems(clock.systems, federation)
+        method.participation_varies = clock is not None and clock.systems.decides
         return cls(federation, FitPrivacy(method, federation, population, clip_norm), clock)
 
 
@@ -231,7 +232,7 @@ def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtoc
     plan = method.plan_round(sampled)
     cohort = plan.clients.to(available.device)
     dropped = federation.dropped_clients(round_index, method.num_clients).to(cohort.device)[cohort]
-    spec = wire_spec(method.uploads, privacy.clip_norm is not None)
+    spec = wire_spec(method.uploads, privacy.clip_norm is not None, federation.robust)
     secure = (secure_aggregator(federation, cohort.tolist(), round_index, codec.symmetric_names(spec))
               if federation.secure_aggregation else None)
     request = RoundRequest(round_index, plan.broadcast, cohort[~dropped], cohort[dropped], spec, secure,
@@ -275,6 +276,11 @@ def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtoc
         try:
             unmasked = secure.unmask(total, uploaded=survivors.tolist())
         except RuntimeError as error:
+            if decided is not None and bool(decided.stragglers.any()):
+                raise RuntimeError(f"{error} — {int(decided.stragglers.sum())} of this round's clients were "
+                                   f"stragglers past systems.deadline_s = {clock.systems.deadline_s} s "  # type: ignore[union-attr]
+                                   "(simulated): raise the deadline, or set secure_aggregation_graph=complete"
+                                   ) from None
             if not replies.missing:
                 raise
             raise RuntimeError(f"{error}; lost this round: {_named(replies.missing)}") from None
@@ -282,6 +288,9 @@ def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtoc
         secure_s = time.perf_counter() - start
     else:
         uploads = replies.uploads or {}
+    if federation.robust:  # the model updates' robust center, times m, where the method expects their sum
+        uploads = robust.aggregate(uploads, spec, federation.aggregation, federation.aggregation_trim,
+                                   federation.aggregation_norm)
     uploads, privacy_metrics = privacy.noised(uploads, round_index, codec.symmetric_names(spec))
     check_finite_uploads(uploads, round_index, type(method).__name__, survivors)
     server_metrics = method.finish_round(uploads, privacy.denominator(len(survivors)))
@@ -328,7 +337,7 @@ def _calibrate(clock: SimulatedClock, transport: Transport, request: RoundReques
                          "runs it elsewhere (`check_systems`)")
     start = time.perf_counter()
     client = int(cohort[torch.argmax(clock.rows[cohort.cpu()])])
-    measured = transport.calibrate(request, client)
+    measured = transport.calibrate(request, client, repeats=5 if clock.row_s is None else 0)
     if clock.row_s is None:
         clock.row_s = measured.seconds / max(measured.rows, 1)
     if clock.upload_bytes is None:

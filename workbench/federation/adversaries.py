@@ -7,7 +7,7 @@
   analytic method receives the statistics of flipped labels);
 - `sign_flip`: every floating upload negated (a model update, or an analytic method's Gram and
   cross-covariance);
-- `scale`: every floating upload multiplied by `attack_scale` s;
+- `scale`: every floating upload multiplied by `attack_scale` s (s < 0: a scaled sign flip);
 - `noise`: N(0, s²) added to each coordinate of every adversary's model update (methods that
   send model updates).
 

@@ -6,13 +6,13 @@ by one under secure aggregation) and on a Flower node.
    ClientApp): the model-update uploads (`Upload(model_update=True)`) come as one row per client;
    under client-level DP each client's rows, as one vector, are clipped to the round's norm C and
    the count of clients within C travels beside them (`privacy.WITHIN_CLIP`); then the rows are
-   summed over the cohort.
+   summed over the cohort (kept, one per client, under robust aggregation).
 3. What its clients' messages cost on the wire, from the spec (`codec.client_bytes`).
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from torch import Tensor
@@ -38,15 +38,19 @@ class ClientMessage:
     bytes_up: int
 
 
-def wire_spec(spec: codec.Spec, client_level_dp: bool) -> dict[str, codec.Upload]:
-    """The method's upload spec plus the protocol's own uploads (client-level DP's count)."""
-    return {**spec, WITHIN_CLIP: codec.SUMMED} if client_level_dp else dict(spec)
+def wire_spec(spec: codec.Spec, client_level_dp: bool, robust: bool = False) -> dict[str, codec.Upload]:
+    """The method's upload spec plus the protocol's own uploads (client-level DP's count); under
+    robust aggregation (`robust`) the model updates travel stacked, one row per client."""
+    sent = {name: replace(upload, stacked=True) if robust and upload.model_update else upload
+            for name, upload in spec.items()}
+    return {**sent, WITHIN_CLIP: codec.SUMMED} if client_level_dp else sent
 
 
 def client_step(half: ClientHalf, spec: codec.Spec, round_index: int, broadcast: Mapping[str, Tensor],
-                cohort: Cohort, clip_norm: float | None = None) -> ClientMessage:
+                cohort: Cohort, clip_norm: float | None = None, robust: bool = False) -> ClientMessage:
     """Round `round_index` of the cohort's clients under the method's upload `spec`, with
-    client-level DP's norm `clip_norm` (None: no clipping)."""
+    client-level DP's norm `clip_norm` (None: no clipping); under robust aggregation (`robust`)
+    the model updates stay one row per client (`workbench.federation.robust`)."""
     uploads, metrics = half.client_update(round_index, broadcast, cohort)
     unknown = sorted(set(uploads) - set(spec))
     if unknown:
@@ -57,7 +61,7 @@ def client_step(half: ClientHalf, spec: codec.Spec, round_index: int, broadcast:
     if updates:
         if clip_norm is not None:
             updates, uploads[WITHIN_CLIP] = clip_client_updates(updates, clip_norm)
-        uploads.update({name: rows.sum(0) for name, rows in updates.items()})
-    sent = wire_spec(spec, clip_norm is not None)
+        uploads.update(updates if robust else {name: rows.sum(0) for name, rows in updates.items()})
+    sent = wire_spec(spec, clip_norm is not None, robust)
     bytes_up = codec.upload_bytes(uploads, sent) * len(cohort.clients) if uploads else 0
     return ClientMessage(uploads, {name: float(value) for name, value in metrics.items()}, bytes_up)

@@ -21,6 +21,8 @@ applies to every method, and the runtime (`workbench.methods.base`) enforces it 
   each client independently with probability q.
 - `adversary_fraction`, `attack`: a seeded share of the clients lies in what it sends (flipped
   labels, sign-flipped or scaled uploads, noised updates: `workbench.federation.adversaries`).
+- `aggregation`: how the server combines the clients' model updates — their mean, or a robust
+  center (median, trimmed mean, Krum, Multi-Krum, norm bounding: `workbench.federation.robust`).
 - `dp_clip`, `dp_noise_multiplier` (client-level DP for gradient methods, DP-FedAvg): each
   sampled client clips its update to norm ≤ C (`dp_clip_quantile` moves C each round towards
   that quantile of the update norms, Andrew et al. 2021); the server adds N(0, (zC)²) to the sum.
@@ -93,7 +95,13 @@ class Federation:
         adversary_fraction: f in [0, 1): round(f·K) clients, drawn once from `seed`, lie in what
             they send (`workbench.federation.adversaries`); 0 = none.
         attack: how they lie: `label_flip`, `sign_flip`, `scale` or `noise`.
-        attack_scale: s, the factor of `scale` and the noise's standard deviation of `noise`.
+        attack_scale: s, the factor of `scale` (negative: a scaled sign flip) and the noise's
+            standard deviation of `noise`.
+        aggregation: how the server combines the clients' model updates: `mean`, `median`,
+            `trimmed_mean`, `krum`, `multi_krum` or `norm_bound` (`workbench.federation.robust`).
+        aggregation_trim: β: the share cut at each end by `trimmed_mean`, and the share of
+            adversaries (f = ⌊β·m⌋) Krum assumes.
+        aggregation_norm: B, the norm `norm_bound` scales each update to at most.
         seed: seed of the dropouts, the pairwise masks and the noise (each round draws anew), and
             of who the adversaries are.
     """
@@ -119,6 +127,9 @@ class Federation:
     adversary_fraction: float = 0.0
     attack: Literal["label_flip", "sign_flip", "scale", "noise"] = "sign_flip"
     attack_scale: float = 10.0
+    aggregation: Literal["mean", "median", "trimmed_mean", "krum", "multi_krum", "norm_bound"] = "mean"
+    aggregation_trim: float = 0.1
+    aggregation_norm: float = 1.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -136,8 +147,10 @@ class Federation:
                              f"{self.adversary_fraction}")
         if self.attack not in ("label_flip", "sign_flip", "scale", "noise"):
             raise ValueError(f"federation.attack must be label_flip, sign_flip, scale or noise, got {self.attack!r}")
-        if not self.attack_scale > 0:
-            raise ValueError(f"federation.attack_scale must be > 0, got {self.attack_scale}")
+        if self.attack_scale == 0 or (self.attack == "noise" and not self.attack_scale > 0):
+            raise ValueError(f"federation.attack_scale must be nonzero (> 0 for noise, its standard deviation), "
+                             f"got {self.attack_scale}")
+        self._check_aggregation()
         if not 0 <= self.seed < 2 ** 63:
             raise ValueError(f"federation.seed must be an integer in [0, 2⁶³), got {self.seed}")
 
@@ -191,6 +204,27 @@ class Federation:
             raise ValueError(f"federation.target_epsilon = {self.target_epsilon} needs a noised protocol and a "
                              "positive budget: set dp_clip and dp_noise_multiplier (gradient methods) or "
                              "dp_sigma and feature_clip (analytic methods)")
+
+    def _check_aggregation(self) -> None:
+        if self.aggregation not in ("mean", "median", "trimmed_mean", "krum", "multi_krum", "norm_bound"):
+            raise ValueError(f"federation.aggregation must be mean, median, trimmed_mean, krum, multi_krum or "
+                             f"norm_bound, got {self.aggregation!r}")
+        if not 0 <= self.aggregation_trim < 0.5:
+            raise ValueError(f"federation.aggregation_trim must be in [0, 0.5) (a share cut at each end), got "
+                             f"{self.aggregation_trim}")
+        if not self.aggregation_norm > 0:
+            raise ValueError(f"federation.aggregation_norm must be > 0, got {self.aggregation_norm}")
+        if self.robust and self.secure_aggregation:
+            raise ValueError(f"federation.aggregation={self.aggregation} needs each client's update, and secure "
+                             "aggregation shows the server only their sum: set one of them to its default")
+        if self.robust and self.client_level_dp:
+            raise ValueError(f"federation.aggregation={self.aggregation} combines the updates one by one; "
+                             "client-level DP noises their sum: set dp_clip=0, or aggregation=mean")
+
+    @property
+    def robust(self) -> bool:
+        """The server combines the model updates otherwise than by their mean."""
+        return self.aggregation != "mean"
 
     @property
     def client_level_dp(self) -> bool:

@@ -5,15 +5,16 @@ takes to download the broadcast, compute and upload on *its* link and device; `S
 client such a profile and the engine keeps a simulated clock with it (`latency/round_s`,
 `latency/total_s`):
 
-    client i's latency = rtt_i + 8·bytes_down / down_bps_i + rows_i · row_s / speed_i + 8·bytes_up / up_bps_i
-    round's latency    = when the server closes the round + the server's own seconds
+    client i's latency = rtt + 8·bytes_down / down_bps_i + rows_i · row_s / speed_i + 8·bytes_up / up_bps_i
+    round's latency    = when the server closes the round + the server's own seconds (measured here)
 
 - the bytes are the round's messages as the protocol sends them (`comm/*`: the broadcast, and
   each client's upload on the wire, masked under secure aggregation);
 - `row_s` is this machine's seconds per training row of the method's client step: measured once
-  per fit on round 0's step of one client (a throwaway copy of its client half, the fastest of
-  three), or set (`systems.row_s`) for a clock that reruns bit for bit; `speed_i` scales it to the
-  client's device (0.25: four times slower than this machine);
+  per fit on round 0's step of the cohort's largest client (a throwaway copy of its client half,
+  the fastest of five after one to warm up), or set (`systems.row_s`) for clients' latencies that
+  rerun bit for bit; `speed_i` scales it to the client's device (0.25: four times slower than this
+  machine);
 - the server closes the round when every surviving client has replied; with a `deadline_s` it
   waits until the deadline at most, and clients that would reply later are stragglers: they
   compute, their uploads are not used (the protocol's dropout machinery); with `over_select` o
@@ -47,15 +48,20 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from workbench.console import RunOutcome
 from workbench.federation.protocol import Federation
 
 # random streams of the clock, beside the protocol's (`protocol.DROPOUT_STREAM` …)
 PROFILE_STREAM, AVAILABILITY_STREAM = 10, 11
 
 
-class EveryClientLate(RuntimeError):
+class EveryClientLate(RunOutcome):
     """No client of a round can reply before its deadline: the fit cannot go on (an outcome of the
     method's message size and the links, not a fault)."""
+
+
+class EveryClientOffline(RunOutcome):
+    """No client is online in a round (`availability`)."""
 
 
 @dataclass(frozen=True)
@@ -110,8 +116,8 @@ class Systems:
 
     def __post_init__(self) -> None:
         if self.preset is not None and self.preset not in PRESETS:
-            raise ValueError(f"systems.preset must be one of {sorted(PRESETS)} (or unset with down_mbps, up_mbps "
-                             f"and rtt_ms given), got {self.preset!r}")
+            raise ValueError(f"systems.preset must be one of {', '.join(sorted(PRESETS))} (or unset with down_mbps, "
+                             f"up_mbps and rtt_ms given), got {self.preset!r}")
         links = {"down_mbps": self.down_mbps, "up_mbps": self.up_mbps, "rtt_ms": self.rtt_ms}
         if self.preset is None and any(value is not None for value in links.values()):
             unset = [name for name, value in links.items() if value is None]
@@ -135,9 +141,13 @@ class Systems:
             raise ValueError(f"systems.row_s must be ≥ 0 seconds per row (or unset: measured), got {self.row_s}")
         if not 0 <= self.seed < 2 ** 63:
             raise ValueError(f"systems.seed must be an integer in [0, 2⁶³), got {self.seed}")
-        if not self.active and (self.deadline_s is not None or self.over_select > 0 or self.availability < 1):
-            raise ValueError(f"systems.deadline_s, over_select and availability act on the clients' profiles: "
-                             f"set systems.preset ({', '.join(sorted(PRESETS))})")
+        acting = {"deadline_s": self.deadline_s is not None, "over_select": self.over_select > 0,
+                  "availability": self.availability < 1, "speed": self.speed is not None,
+                  "spread": self.spread is not None, "row_s": self.row_s is not None}
+        if not self.active and any(acting.values()):
+            named = ", ".join(name for name, is_set in acting.items() if is_set)
+            raise ValueError(f"systems.{named} acts on the clients' profiles, and there are none: set "
+                             f"systems.preset ({', '.join(sorted(PRESETS))}) or down_mbps, up_mbps and rtt_ms")
 
     @property
     def active(self) -> bool:
@@ -244,7 +254,8 @@ class SimulatedClock:
         draws = torch.rand(len(self.rows), generator=generator(self.systems.seed, AVAILABILITY_STREAM, round_index))
         online = available[(draws < p).to(available.device)[available]]
         if len(online) == 0:
-            raise RuntimeError(f"round {round_index}: no client is online (systems.availability = {p}): raise it")
+            raise EveryClientOffline(f"round {round_index}: no client is online (systems.availability = {p}, "
+                                     f"{len(available)} clients): raise the availability")
         return online
 
     def asked(self, target: int, available: int) -> int:

@@ -213,6 +213,10 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
     #: set by an engine whose clients can miss a round without notice (a lost Flower node): a
     #: method whose server keeps sums across rounds asks for them again (DeepAFL's `restate`)
     clients_may_go_missing: bool = False
+    #: set by the protocol when more than `federation` decides who takes part each round (systems
+    #: profiles: a deadline's stragglers, over-selection, clients offline): as under cohorts, the
+    #: clients of one round are not those of the last, and a client may have missed broadcasts
+    participation_varies: bool = False
     _forgot_clients: bool = False  # some clients came back afresh (`forget_clients`)
 
     rounds_done: Tensor  # () int64
@@ -325,9 +329,10 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
 
     @property
     def samples_cohorts(self) -> bool:
-        """Whether rounds take cohorts (`federation.sample_rate` < 1): a client may then have missed
-        earlier broadcasts, so what it needs from them must come again."""
-        return self.federation.sample_rate < 1
+        """Whether rounds take cohorts (`federation.sample_rate` < 1, or systems profiles deciding who
+        takes part): a client may then have missed earlier broadcasts, so what it needs from them must
+        come again."""
+        return self.federation.sample_rate < 1 or self.participation_varies
 
     # ---- state ------------------------------------------------------------------------------
     @property

@@ -543,7 +543,8 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
     def check_protocol(self, federation) -> None:
         if self.fused and self.restate is False and (self.federation.dropout > 0 or self.samples_cohorts):
             raise ValueError("DeepAFL(restate=false) recurses sums kept from the previous round, which holds "
-                             "other clients under dropouts or cohorts: leave model.restate unset (or true)")
+                             "other clients under dropouts, cohorts or a systems deadline: leave model.restate unset "
+                             "(or true)")
 
     def check_missing(self, round_index: int) -> None:
         if self.fused and not self.restates and round_index > 0:
