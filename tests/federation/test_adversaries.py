@@ -8,9 +8,7 @@ import torch
 
 from tests.conftest import fit
 from tests.engines.conformance import comparable_state
-from tests.federation.test_systems import data
-from workbench.engines.local import LocalClients
-from workbench.engines.round import FitProtocol, run_round
+from tests.federation.test_systems import data, rounds
 from workbench.federation import Federation
 from workbench.federation.adversaries import flip_labels, segments
 from workbench.methods import AFL, OSFED, FedAvg, Problem
@@ -21,12 +19,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def one_round(method, dm, federation: Federation):
-    method.federation = federation
-    method.setup(Problem.of(dm))
-    available = torch.unique(dm.train_client_ids)
-    clients = LocalClients(method, dm.train_features, dm.train_labels, dm.train_client_ids, available,
-                           dm.hparams.batch_size)
-    return run_round(method, clients, FitProtocol.start(method, federation, len(available)), available)
+    """Round 0 of `method` by `run_round` under `federation`."""
+    (result,), _ = rounds(method, dm, None, federation)
+    return result
 
 
 def statistics(dm, clients: list[int], flipped: bool = False) -> dict[str, torch.Tensor]:

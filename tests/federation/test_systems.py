@@ -30,8 +30,9 @@ def data(num_clients: int) -> FederatedDataModule:
     return dm
 
 
-def rounds(method, dm, systems: Systems, federation: Federation | None = None, count: int = 1):
-    """`count` rounds of `method` by `run_round` under `systems`: (results, clock)."""
+def rounds(method, dm, systems: Systems | None, federation: Federation | None = None, count: int = 1):
+    """`count` rounds of `method` by `run_round` under `federation` and `systems` (None: no
+    clock): (results, clock)."""
     federation = federation or Federation()
     method.federation = federation
     method.setup(Problem.of(dm))
@@ -39,7 +40,8 @@ def rounds(method, dm, systems: Systems, federation: Federation | None = None, c
     clients = LocalClients(method, dm.train_features, dm.train_labels, dm.train_client_ids, available,
                            dm.hparams.batch_size)
     rows = torch.bincount(dm.train_client_ids, minlength=method.num_clients)
-    protocol = FitProtocol.start(method, federation, len(available), clock=SimulatedClock(systems, rows))
+    clock = SimulatedClock(systems, rows) if systems is not None else None
+    protocol = FitProtocol.start(method, federation, len(available), clock=clock)
     return [run_round(method, clients, protocol, available) for _ in range(count)], protocol.clock
 
 

@@ -1,0 +1,28 @@
+"""benchmarks/adversaries.py: one cell per method × share of adversaries for each attack, a fit the
+attack made fail shown as such with its error, and each row's method built as stated."""
+from __future__ import annotations
+
+from benchmarks import adversaries
+from workbench.methods import AFL, DeepAFL, FedAvg
+
+
+def test_each_cell_is_its_fit_and_a_failed_fit_says_why():
+    records = [{"row": row, "attack": attack, "fraction": fraction, "accuracy": 0.5 + fraction}
+               for attack in adversaries.ATTACKS for row in adversaries.ROWS for fraction in adversaries.FRACTIONS]
+    broken = next(r for r in records if (r["row"], r["attack"], r["fraction"]) == ("AFL", "sign flipped", 0.2))
+    del broken["accuracy"]
+    broken["failed"] = "LinAlgError: the Gram is not positive definite"
+    text = "\n".join(adversaries.report(records, 60.0, "Machine: test.", smoke=False))
+    assert "| AFL | 50.00 | 51.00 | 55.00 | 60.00 | fails |" in text
+    assert "- AFL, sign flipped, 20 %: LinAlgError: the Gram is not positive definite" in text
+    assert text.count("| FedAvg (median) |") == len(adversaries.ATTACKS) and text.endswith("Machine: test.")
+
+
+def test_the_rows_build_the_methods_they_name():
+    assert isinstance(adversaries.build("AFL", smoke=False), AFL)
+    deep = adversaries.build("DeepAFL", smoke=True)
+    assert isinstance(deep, DeepAFL) and deep.num_layers == 2
+    fedavg = adversaries.build("FedAvg (median)", smoke=False)
+    assert isinstance(fedavg, FedAvg) and fedavg.num_rounds == 30 and fedavg.local.lr == 0.03
+    assert {aggregation for *_, aggregation in adversaries.ROWS.values()} == {"mean", "median", "trimmed_mean",
+                                                                             "multi_krum"}
