@@ -299,14 +299,13 @@ class LightningEngine(LightningModule):
         self.client_events, self._restored_events = list(self._restored_events or []), None
         clock = None
         if self.systems.active:  # a resumed fit keeps the clock's measurements
-            check_systems(self.systems, self.federation,
-                          in_process=self.remote_clients is None and self.trainer.world_size == 1)
             rows = torch.bincount(self.data.train_client_ids.cpu(), minlength=self.method.num_clients)
             clock = SimulatedClock(self.systems, rows, row_s=self._totals.pop("latency_row_s", None),
                                    upload_bytes=self._totals.pop("latency_upload_bytes", None))
             self._totals.setdefault("latency_s", 0.0)
         self.protocol = FitProtocol.start(self.method, self.federation, len(self.available),
-                                          clip_norm=self._totals.pop("dp_clip_norm", None), clock=clock)
+                                          clip_norm=self._totals.pop("dp_clip_norm", None), clock=clock,
+                                          in_process=self.remote_clients is None and self.trainer.world_size == 1)
         self.curve = []
         self._stop = False
         self._check_stopping(self.data)

@@ -203,14 +203,15 @@ class FitProtocol:
 
     @classmethod
     def start(cls, method: FederatedMethod, federation: Federation, population: int,
-              clip_norm: float | None = None, clock: SimulatedClock | None = None) -> FitProtocol:
+              clip_norm: float | None = None, clock: SimulatedClock | None = None,
+              in_process: bool = True) -> FitProtocol:
         """A fit's protocol over `population` clients with data; refuses, before any round, a fit
         over its privacy budget, whose SecAgg+ no round can unmask (`check_secure_aggregation`)
-        or whose systems settings the protocol cannot honour (`check_systems`). `clip_norm`: a
-        resumed fit's adaptive clip norm."""
+        or whose systems settings the protocol cannot honour (`check_systems`; `in_process`: the
+        clients' step runs in this process). `clip_norm`: a resumed fit's adaptive clip norm."""
         check_secure_aggregation(federation, method.num_clients, population)
         if clock is not None:
-            check_systems(clock.systems, federation)
+            check_systems(clock.systems, federation, in_process)
         method.participation_varies = clock is not None and clock.systems.decides
         return cls(federation, FitPrivacy(method, federation, population, clip_norm), clock)
 
@@ -241,7 +242,7 @@ def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtoc
     decided, calibration_s = None, 0.0
     if clock is not None:
         calibration_s = _calibrate(clock, transport, request, cohort, secure)
-        if clock.systems.deadline_s is not None or target is not None:  # late replies drop as stragglers
+        if clock.systems.drops_stragglers:  # late replies drop as stragglers
             decided = clock.decide(cohort, ~dropped, target, bytes_down)
             dropped = dropped | decided.stragglers.to(dropped.device)
             request = replace(request, survivors=cohort[~dropped], lost=cohort[dropped])
@@ -329,8 +330,7 @@ def _calibrate(clock: SimulatedClock, transport: Transport, request: RoundReques
     """What the clock has yet to measure: this machine's seconds per row of the client step and
     one client's message size, from the step of the cohort's largest client timed apart (the
     first round of a fit). Returns the seconds it took (the server's time excludes them)."""
-    deciding = clock.systems.deadline_s is not None or clock.systems.over_select > 0
-    if clock.row_s is not None and (clock.upload_bytes is not None or not deciding):
+    if clock.row_s is not None and (clock.upload_bytes is not None or not clock.systems.drops_stragglers):
         return 0.0
     if not isinstance(transport, Calibrates):
         raise ValueError(f"the simulated clock (systems) times the client step in process; {type(transport).__name__} "

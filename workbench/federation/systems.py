@@ -155,9 +155,15 @@ class Systems:
         return self.preset is not None or self.down_mbps is not None
 
     @property
+    def drops_stragglers(self) -> bool:
+        """Whether late replies are dropped (a deadline, or over-selection's first replies kept):
+        decided before the replies, from each client's predicted latency."""
+        return self.deadline_s is not None or self.over_select > 0
+
+    @property
     def decides(self) -> bool:
         """Whether the profiles change who takes part (else the clock only observes)."""
-        return self.deadline_s is not None or self.over_select > 0 or self.availability < 1
+        return self.drops_stragglers or self.availability < 1
 
     def profile(self) -> Profile:
         """The medians: the preset's, overridden by what is set."""
@@ -187,8 +193,7 @@ def check_systems(systems: Systems, federation: Federation, in_process: bool = T
     if systems.over_select > 0 and federation.client_level_dp:
         raise ValueError("systems.over_select keeps the fastest clients, which breaks the uniform sampling that "
                          "client-level DP's accounting assumes: set systems.over_select=0 or federation.dp_clip=0")
-    deciding = systems.deadline_s is not None or systems.over_select > 0
-    if not in_process and (deciding or systems.row_s is None):
+    if not in_process and (systems.drops_stragglers or systems.row_s is None):
         raise ValueError("the simulated clock measures the client step in process, and its deadline and "
                          "over-selection decide before the clients reply: with clients in other processes or "
                          "on Flower, set systems.row_s (seconds per training row) and leave deadline_s and "
