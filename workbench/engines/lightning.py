@@ -239,7 +239,8 @@ class LightningEngine(LightningModule):
 
     def _check_protocol(self) -> None:
         name, protocol, spec = type(self.method).__name__, self.federation, self.method.uploads
-        self.method.participation_varies = self.systems.active and self.systems.decides  # (FitProtocol's too)
+        # (as FitProtocol.start: who takes part varies with the clock's decisions and the screen's)
+        self.method.participation_varies = (self.systems.active and self.systems.decides) or protocol.screens
         self.method.check_protocol(protocol)
         stacked = sorted(codec.stacked_names(spec))
         if protocol.secure_aggregation and stacked:
@@ -261,8 +262,13 @@ class LightningEngine(LightningModule):
         if protocol.robust and not codec.model_update_names(spec):
             raise ValueError(f"federation.aggregation={protocol.aggregation} combines clients' model updates; {name} "
                              "sends statistics, which are summed: set federation.aggregation=mean for it")
-        if protocol.robust and self.remote_clients is not None:
-            raise ValueError(f"federation.aggregation={protocol.aggregation} runs in process (its clients' updates "
+        if protocol.screens and (codec.model_update_names(spec) or not codec.gram_names(spec)):
+            raise ValueError(f"federation.aggregation=screen checks the Grams of an analytic method's statistics; "
+                             f"{name} sends " + ("model updates: use median, trimmed_mean, krum, multi_krum or "
+                                                 "norm_bound for them" if codec.model_update_names(spec) else
+                                                 "no Gram to check: set federation.aggregation=mean for it"))
+        if protocol.aggregation != "mean" and self.remote_clients is not None:
+            raise ValueError(f"federation.aggregation={protocol.aggregation} runs in process (its clients' uploads "
                              "stay one row each); a remote transport's nodes sum theirs: set aggregation=mean there")
         if protocol.adversary_fraction > 0 and self.remote_clients is not None:
             raise ValueError("federation.adversary_fraction makes in-process clients lie; a remote transport's "

@@ -3,7 +3,8 @@
 The in-process and multi-process engines run their clients through `LocalClients`: a round's
 cohort is one `client_step` over every asked client this process serves (the speed of a
 vectorized round: 1000 clients cost little more than 10). Under secure aggregation each client
-must mask its own message, so the clients run one by one. Dropped clients run too (their own
+must mask its own message, and under the screen (`workbench.federation.screen`) send its own
+statistics, so the clients run one by one. Dropped clients run too (their own
 state stays current, e.g. DeepAFL's Φ) but what they send is lost. Adversarial clients
 (`federation.adversary_fraction`) train on flipped labels, or run apart from the honest ones and
 poison what they send (`workbench.federation.adversaries`).
@@ -72,7 +73,7 @@ class LocalClients:
     def step(self, request: RoundRequest, clients: Tensor):
         """The client step of `clients` (sorted ids this process serves) in `request`'s round."""
         return client_step(self.half, self.method.uploads, request.round_index, request.broadcast,
-                           self.cohort(clients), request.clip_norm, self.method.federation.robust)
+                           self.cohort(clients), request.clip_norm, self.method.federation.aggregation)
 
     def update(self, request: RoundRequest) -> Replies:
         """Runs the round on this process's survivors (whose uploads count) and lost clients
@@ -82,16 +83,19 @@ class LocalClients:
         mine = self._mine(request.survivors)
         if len(lost_here := self._mine(request.lost)):
             self.step(request, lost_here)
-        lying = self.method.federation.attack in UPLOAD_ATTACKS and bool(self.adversarial[mine.cpu()].any())
-        attack_noise = self.method.federation.generator(request.round_index, ATTACK_STREAM) if lying else None
+        federation = self.method.federation
+        lying = federation.attack in UPLOAD_ATTACKS and bool(self.adversarial[mine.cpu()].any())
+        attack_noise = federation.generator(request.round_index, ATTACK_STREAM) if lying else None
         if secure is None:
-            if len(mine) and not lying:  # the usual round: one vectorized step
+            if len(mine) and not lying and not federation.screens:  # the usual round: one vectorized step
                 message = self.step(request, mine)
                 replies.uploads, replies.metric_sums, replies.bytes_up = (message.uploads, message.metrics,
                                                                           message.bytes_up)
-            elif len(mine):  # honest and lying clients apart, in client order (stacked uploads keep it)
+            elif len(mine):  # honest and lying clients apart (the screened one by one), in client order
                 total: dict[str, Tensor] = {}
-                for run, adversarial in segments(mine, self.adversarial):
+                runs = ([(client[None], lying and bool(self.adversarial[int(client)])) for client in mine]
+                        if federation.screens else segments(mine, self.adversarial))
+                for run, adversarial in runs:
                     message = self.step(request, run)
                     uploads = self._lie(message.uploads, request, len(run), attack_noise) if adversarial \
                         else message.uploads
@@ -125,7 +129,7 @@ class LocalClients:
             half.setup_clients(self.served, len(self.data.labels))
             start = time.perf_counter()
             message = client_step(half, self.method.uploads, request.round_index, request.broadcast,
-                                  self.cohort(clients), request.clip_norm)
+                                  self.cohort(clients), request.clip_norm, self.method.federation.aggregation)
             if attempt:  # the first one warms up
                 seconds = min(seconds, time.perf_counter() - start)
         assert message is not None

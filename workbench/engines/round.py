@@ -17,8 +17,10 @@
    several processes, over Flower) and returns what reached the server from the survivors; a
    remote transport may name survivors whose replies never came (`Replies.missing`: a node that
    died or missed the round's deadline), which then count as dropped;
-5. **combine**: the exact sum unmasked, the server's noise added (`FitPrivacy`), checked finite,
-   and the server half's update (`FederatedMethod.finish_round`);
+5. **combine**: the exact sum unmasked; under the screen each client's statistics checked and
+   the rejected dropped from the round (`workbench.federation.screen`); a robust center of the
+   model updates (`workbench.federation.robust`); the server's noise added (`FitPrivacy`),
+   checked finite, and the server half's update (`FederatedMethod.finish_round`);
 6. **count**: bytes up as each client's message costs on the wire (`codec`, secure aggregation's
    ring elements), bytes down as the broadcast (and client-level DP's clip norm) to every client of
    the cohort; the clients' and the server's seconds; with systems profiles, the round's simulated
@@ -38,7 +40,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from workbench.federation import Federation, codec, messages_bytes, robust
+from workbench.federation import Federation, codec, messages_bytes, robust, screen
 from workbench.federation.client_step import wire_spec
 from workbench.federation.privacy import CLIP_NORM_BYTES, FitPrivacy
 from workbench.federation.secure_aggregation import (
@@ -212,7 +214,7 @@ class FitProtocol:
         check_secure_aggregation(federation, method.num_clients, population)
         if clock is not None:
             check_systems(clock.systems, federation, in_process)
-        method.participation_varies = clock is not None and clock.systems.decides
+        method.participation_varies = (clock is not None and clock.systems.decides) or federation.screens
         return cls(federation, FitPrivacy(method, federation, population, clip_norm), clock)
 
 
@@ -233,7 +235,7 @@ def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtoc
     plan = method.plan_round(sampled)
     cohort = plan.clients.to(available.device)
     dropped = federation.dropped_clients(round_index, method.num_clients).to(cohort.device)[cohort]
-    spec = wire_spec(method.uploads, privacy.clip_norm is not None, federation.robust)
+    spec = wire_spec(method.uploads, privacy.clip_norm is not None, federation.aggregation)
     secure = (secure_aggregator(federation, cohort.tolist(), round_index, codec.symmetric_names(spec))
               if federation.secure_aggregation else None)
     request = RoundRequest(round_index, plan.broadcast, cohort[~dropped], cohort[dropped], spec, secure,
@@ -289,6 +291,15 @@ def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtoc
         secure_s = time.perf_counter() - start
     else:
         uploads = replies.uploads or {}
+    replied, rejected = survivors, survivors[:0]
+    if federation.screens:  # each client's statistics checked; the rejected are dropped from the round
+        uploads, kept = screen.screen(uploads, method.uploads, federation.aggregation_threshold)
+        rejected, survivors = survivors[~kept.to(survivors.device)], survivors[kept.to(survivors.device)]
+        lost = torch.sort(torch.cat([lost, rejected])).values
+        if len(survivors) == 0:
+            raise RuntimeError(f"round {round_index}: the screen rejected all {len(rejected)} clients' statistics "
+                               f"(federation.aggregation_threshold = {federation.aggregation_threshold}): see "
+                               "docs/robustness.md")
     if federation.robust:  # the model updates' robust center, times m, where the method expects their sum
         uploads = robust.aggregate(uploads, spec, federation.aggregation, federation.aggregation_trim,
                                    federation.aggregation_norm)
@@ -299,12 +310,15 @@ def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtoc
 
     client_means: dict[str, float] = {}
     client_times: dict[str, float] = {}
-    for name, value in replies.metric_sums.items():  # means over the survivors; times are totals
+    for name, value in replies.metric_sums.items():  # means over the clients that replied; times are totals
         (client_times if name.startswith("time/") else client_means)[name] = (
-            value if name.startswith("time/") else value / len(survivors))
-    attack = {}  # (the server is not told who lied: a number for the run's reader)
-    if federation.adversary_fraction > 0:
-        attack["attack/adversaries_in_round"] = float(federation.adversaries(method.num_clients)[survivors.cpu()].sum())
+            value if name.startswith("time/") else value / len(replied))
+    attack = {"screen/rejected": float(len(rejected))} if federation.screens else {}
+    if federation.adversary_fraction > 0:  # (the server is not told who lied: numbers for the run's reader)
+        adversarial = federation.adversaries(method.num_clients)
+        attack["attack/adversaries_in_round"] = float(adversarial[survivors.cpu()].sum())
+        if federation.screens:
+            attack["attack/adversaries_rejected"] = float(adversarial[rejected.cpu()].sum())
     metrics = {**server_metrics, **client_means, **privacy_metrics, **attack,
                "comm/clients_in_round": float(len(survivors)), "comm/clients_dropped": float(len(lost)),
                "comm/clients_missing": float(len(replies.missing)), "comm/clients_rejoined": float(len(rejoined))}
@@ -314,9 +328,9 @@ def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtoc
         costs = secure.costs(survivors.tolist())
     latency_s = None
     if clock is not None:
-        bytes_up = replies.bytes_up / len(survivors)
+        bytes_up = replies.bytes_up / len(replied)
         clock.upload_bytes = bytes_up
-        latency_s = clock.round_seconds(survivors, bytes_down, bytes_up, decided, server_s)
+        latency_s = clock.round_seconds(replied, bytes_down, bytes_up, decided, server_s)
         metrics.update({"latency/round_s": latency_s,
                         "latency/stragglers": float(decided.stragglers.sum()) if decided is not None else 0.0})
     return RoundResult(round_index, cohort, survivors, lost, uploads, metrics, bytes_up=replies.bytes_up,

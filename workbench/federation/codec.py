@@ -9,6 +9,8 @@ packs, masks or noises uploads reads that spec here, outside the method:
   stacked upload (`Upload(stacked=True)`) costs one client's row; an upload with an `encoding`
   (top-k values and indices, low-bit codes, a stand-in for a message the simulation does not
   form) costs what the encoding says;
+- a Gram (`Upload(gram=True)`, e.g. XᵀX) is a sum over the client's training rows of positive
+  semidefinite terms, which the screen (`workbench.federation.screen`) can check;
 - a model update (`Upload(model_update=True)`) comes from the client half as one row per client;
   the protocol clips those rows under client-level DP (`workbench.federation.client_step`) and
   sends their sum;
@@ -46,6 +48,10 @@ class Upload:
     model_update: the client half returns one row per client (m, ...): the update the protocol
         clips under client-level DP (all model-update uploads of a client as one vector) before
         the rows are summed; on the wire it is summed like any other.
+    gram: a sum over the client's training rows of positive semidefinite terms (Σ x xᵀ, or one
+        such d × d block per class; symmetric): an honest client's is positive semidefinite and
+        its trace per row is the rows' mean squared norm, which the screen checks
+        (`workbench.federation.screen`).
     encoding: what one client's copy costs when it is not sent dense (None: dense, or packed
         when symmetric).
     """
@@ -53,10 +59,12 @@ class Upload:
     stacked: bool = False
     symmetric: bool = False
     model_update: bool = False
+    gram: bool = False
     encoding: Encoding | None = None
 
 
 SUMMED, SYMMETRIC, STACKED = Upload(), Upload(symmetric=True), Upload(stacked=True)
+GRAM = Upload(symmetric=True, gram=True)
 MODEL_UPDATE = Upload(model_update=True)
 
 Spec = Mapping[str, Upload]
@@ -98,6 +106,11 @@ def stacked_names(spec: Spec) -> frozenset[str]:
 def model_update_names(spec: Spec) -> list[str]:
     """The upload names that are a client's model update (clipped together under client-level DP)."""
     return [name for name, upload in spec.items() if upload.model_update]
+
+
+def gram_names(spec: Spec) -> list[str]:
+    """The upload names that are Grams of the client's training rows (the screen checks them)."""
+    return [name for name, upload in spec.items() if upload.gram]
 
 
 def one_client(uploads: Mapping[str, Tensor], spec: Spec) -> dict[str, Tensor]:

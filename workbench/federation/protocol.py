@@ -22,7 +22,9 @@ applies to every method, and the runtime (`workbench.methods.base`) enforces it 
 - `adversary_fraction`, `attack`: a seeded share of the clients lies in what it sends (flipped
   labels, sign-flipped or scaled uploads, noised updates: `workbench.federation.adversaries`).
 - `aggregation`: how the server combines the clients' model updates — their mean, or a robust
-  center (median, trimmed mean, Krum, Multi-Krum, norm bounding: `workbench.federation.robust`).
+  center (median, trimmed mean, Krum, Multi-Krum, norm bounding: `workbench.federation.robust`);
+  for the analytic methods' statistics, their sum, or `screen`: each client's checked first and
+  the implausible left out (`workbench.federation.screen`).
 - `dp_clip`, `dp_noise_multiplier` (client-level DP for gradient methods, DP-FedAvg): each
   sampled client clips its update to norm ≤ C (`dp_clip_quantile` moves C each round towards
   that quantile of the update norms, Andrew et al. 2021); the server adds N(0, (zC)²) to the sum.
@@ -98,10 +100,14 @@ class Federation:
         attack_scale: s, the factor of `scale` (negative: a scaled sign flip) and the noise's
             standard deviation of `noise`.
         aggregation: how the server combines the clients' model updates: `mean`, `median`,
-            `trimmed_mean`, `krum`, `multi_krum` or `norm_bound` (`workbench.federation.robust`).
+            `trimmed_mean`, `krum`, `multi_krum` or `norm_bound` (`workbench.federation.robust`);
+            or their statistics (analytic methods): `mean` (their sum) or `screen`
+            (`workbench.federation.screen`).
         aggregation_trim: β: the share cut at each end by `trimmed_mean`, and the share of
             adversaries (f = ⌊β·m⌋) Krum assumes.
         aggregation_norm: B, the norm `norm_bound` scales each update to at most.
+        aggregation_threshold: τ > 1: the screen rejects a client whose Grams' trace per row is
+            more than τ times, or less than 1/τ of, the round's median client's.
         seed: seed of the dropouts, the pairwise masks and the noise (each round draws anew), and
             of who the adversaries are.
     """
@@ -127,9 +133,10 @@ class Federation:
     adversary_fraction: float = 0.0
     attack: Literal["label_flip", "sign_flip", "scale", "noise"] = "sign_flip"
     attack_scale: float = 10.0
-    aggregation: Literal["mean", "median", "trimmed_mean", "krum", "multi_krum", "norm_bound"] = "mean"
+    aggregation: Literal["mean", "median", "trimmed_mean", "krum", "multi_krum", "norm_bound", "screen"] = "mean"
     aggregation_trim: float = 0.1
     aggregation_norm: float = 1.0
+    aggregation_threshold: float = 4.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -206,16 +213,19 @@ class Federation:
                              "dp_sigma and feature_clip (analytic methods)")
 
     def _check_aggregation(self) -> None:
-        if self.aggregation not in ("mean", "median", "trimmed_mean", "krum", "multi_krum", "norm_bound"):
-            raise ValueError(f"federation.aggregation must be mean, median, trimmed_mean, krum, multi_krum or "
-                             f"norm_bound, got {self.aggregation!r}")
+        if self.aggregation not in ("mean", "median", "trimmed_mean", "krum", "multi_krum", "norm_bound", "screen"):
+            raise ValueError(f"federation.aggregation must be mean, median, trimmed_mean, krum, multi_krum, "
+                             f"norm_bound (model updates) or screen (statistics), got {self.aggregation!r}")
         if not 0 <= self.aggregation_trim < 0.5:
             raise ValueError(f"federation.aggregation_trim must be in [0, 0.5) (a share cut at each end), got "
                              f"{self.aggregation_trim}")
         if not self.aggregation_norm > 0:
             raise ValueError(f"federation.aggregation_norm must be > 0, got {self.aggregation_norm}")
-        if self.robust and self.secure_aggregation:
-            raise ValueError(f"federation.aggregation={self.aggregation} needs each client's update, and secure "
+        if not self.aggregation_threshold > 1:
+            raise ValueError(f"federation.aggregation_threshold must be > 1 (a factor from the median client), got "
+                             f"{self.aggregation_threshold}")
+        if self.aggregation != "mean" and self.secure_aggregation:
+            raise ValueError(f"federation.aggregation={self.aggregation} needs each client's upload, and secure "
                              "aggregation shows the server only their sum: set one of them to its default")
         if self.robust and self.client_level_dp:
             raise ValueError(f"federation.aggregation={self.aggregation} combines the updates one by one; "
@@ -224,7 +234,12 @@ class Federation:
     @property
     def robust(self) -> bool:
         """The server combines the model updates otherwise than by their mean."""
-        return self.aggregation != "mean"
+        return self.aggregation not in ("mean", "screen")
+
+    @property
+    def screens(self) -> bool:
+        """The server checks each client's statistics before it sums them."""
+        return self.aggregation == "screen"
 
     @property
     def client_level_dp(self) -> bool:

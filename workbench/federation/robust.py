@@ -26,7 +26,9 @@ from torch import Tensor
 
 from workbench.federation import codec
 
-AGGREGATIONS = ("mean", "median", "trimmed_mean", "krum", "multi_krum", "norm_bound")
+#: the robust centers of model updates (`federation.aggregation`, beside `mean`)
+CENTERS = ("median", "trimmed_mean", "krum", "multi_krum", "norm_bound")
+AGGREGATIONS = ("mean", *CENTERS)
 
 
 def center(rows: Tensor, aggregation: str, trim: float = 0.1, norm: float = 1.0) -> Tensor:

@@ -38,7 +38,7 @@ from torch import Tensor
 from workbench.federation.privacy import ridge_sensitivity, safe_ridge
 from workbench.federation.secure_aggregation import check_in_ring
 from workbench.linalg import class_sums, identity_like, solve_spd, statistics_dtype
-from workbench.methods.base import SUMMED, SYMMETRIC, ClientHalf, Cohort, FederatedMethod, Metrics, Problem, Uploads
+from workbench.methods.base import GRAM, SUMMED, ClientHalf, Cohort, FederatedMethod, Metrics, Problem, Uploads
 from workbench.methods.ridge_selection import (
     SELECTION_UPLOADS,
     check_holdout_rows,
@@ -115,7 +115,7 @@ class AFL(FederatedMethod):
     `selected_gamma_out`, the γ_out of the solve.
     """
 
-    uploads = MappingProxyType({"gram": SYMMETRIC, "cross": SUMMED, **SELECTION_UPLOADS})
+    uploads = MappingProxyType({"gram": GRAM, "cross": SUMMED, **SELECTION_UPLOADS})
     ridge_setting = "gamma_out"  # the setting of the final solve's ridge, named in its errors
 
     def __init__(self, gamma: float = 1.0, gamma_out: float = 0.0, bias: bool = False,

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from workbench.linalg import class_sums, counts_of, statistics_dtype
-from workbench.methods.base import SUMMED, SYMMETRIC, Cohort, Problem, Uploads
+from workbench.methods.base import GRAM, SUMMED, SYMMETRIC, Cohort, Problem, Uploads
 from workbench.methods.ridge_selection import client_holdout
 
 StartMethod = Literal["none", "AFL", "Fed3R", "FedNCM", "LDA"]
@@ -59,7 +59,7 @@ ABSENT_LOGIT = -1e4
 DEFAULT_TEMPERATURES = tuple(2.0 ** k for k in range(-8, 5))
 SUMS = ("class_sums", "class_counts", "second_moment")
 #: what the start rounds upload, beside the method's own uploads
-START_UPLOADS = {**{f"start_{name}": SUMMED for name in SUMS[:2]}, "start_second_moment": SYMMETRIC,
+START_UPLOADS = {**{f"start_{name}": SUMMED for name in SUMS[:2]}, "start_second_moment": GRAM,
                  **{f"start_holdout_{name}": SUMMED for name in SUMS[:2]}, "start_holdout_second_moment": SYMMETRIC,
                  "start_holdout_loss": SUMMED, "start_holdout_rows": SUMMED}
 

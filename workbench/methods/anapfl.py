@@ -64,7 +64,7 @@ from torch import Tensor
 
 from workbench.linalg import grouped_matmul, grouped_ridge, stream_generator
 from workbench.methods.afl import AFL, AFLClient
-from workbench.methods.base import SUMMED, SYMMETRIC, Cohort, Metrics, Problem, Uploads
+from workbench.methods.base import GRAM, SUMMED, Cohort, Metrics, Problem, Uploads
 from workbench.methods.ridge_selection import client_holdout, holdout_seed  # noqa: F401 (holdout_seed: re-exported)
 
 DEFAULT_LAMBDAS = tuple(i / 10 for i in range(11))  # 0, 0.1, ..., 1.0
@@ -216,7 +216,7 @@ class AnaPFL(AFL):
     """
 
     personalized = True
-    uploads = MappingProxyType({"gram": SYMMETRIC, "cross": SUMMED, "holdout_accuracy": SUMMED,
+    uploads = MappingProxyType({"gram": GRAM, "cross": SUMMED, "holdout_accuracy": SUMMED,
                                 "holdout_clients": SUMMED})
 
     def __init__(self, hidden_dim: int = 1024, gamma: float = 1e-2, gamma_out: float = 1e-2, beta: float = 1.0,

@@ -42,11 +42,11 @@ import torch
 from lightning.pytorch.core.mixins import HyperparametersMixin
 from torch import Tensor, nn
 
-from workbench.federation.codec import MODEL_UPDATE, STACKED, SUMMED, SYMMETRIC, Upload
+from workbench.federation.codec import GRAM, MODEL_UPDATE, STACKED, SUMMED, SYMMETRIC, Upload
 from workbench.federation.protocol import Federation
 
-__all__ = ["MODEL_UPDATE", "STACKED", "SUMMED", "SYMMETRIC", "ClientHalf", "Cohort", "FederatedMethod", "Problem",
-           "RoundPlan", "Upload"]
+__all__ = ["GRAM", "MODEL_UPDATE", "STACKED", "SUMMED", "SYMMETRIC", "ClientHalf", "Cohort", "FederatedMethod",
+           "Problem", "RoundPlan", "Upload"]
 
 
 EVAL_ROWS = 1 << 14  # rows a global model scores at once (`FederatedMethod.accuracy`)

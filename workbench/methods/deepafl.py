@@ -106,8 +106,8 @@ from torch import Tensor, nn
 
 from workbench.linalg import add_gram_, class_sums, identity_like, solve_spd, statistics_dtype, stream_generator
 from workbench.methods.base import (
+    GRAM,
     SUMMED,
-    SYMMETRIC,
     ClientHalf,
     Cohort,
     FederatedMethod,
@@ -481,7 +481,7 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
     as `depth/test_acc` with step t, through `step_metrics`).
     """
 
-    uploads = MappingProxyType({"gram": SYMMETRIC, "cross": SUMMED, "hidden_gram": SYMMETRIC, "hidden_residual": SUMMED,
+    uploads = MappingProxyType({"gram": GRAM, "cross": SUMMED, "hidden_gram": GRAM, "hidden_residual": SUMMED,
                "hidden_labels": SUMMED, "mixed": SUMMED})
 
     def __init__(self, num_layers: int = 20, hidden_dim: int = 1024, block_dim: int = 1024,

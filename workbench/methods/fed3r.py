@@ -55,7 +55,7 @@ from torch import Tensor
 from workbench.federation.privacy import ridge_sensitivity
 from workbench.linalg import stream_generator
 from workbench.methods.afl import AFL, AFLClient
-from workbench.methods.base import SUMMED, SYMMETRIC, Cohort, Metrics, Problem, Uploads
+from workbench.methods.base import GRAM, SUMMED, Cohort, Metrics, Problem, Uploads
 
 RANDOM_FEATURES_STREAM = 0  # the stream of `seed` that (Ω, b) are drawn from
 
@@ -141,7 +141,7 @@ class Fed3R(AFL):
     `rf_phase` b (D,), regenerated from the seed (not saved).
     """
 
-    uploads = MappingProxyType({"gram": SYMMETRIC, "cross": SUMMED})
+    uploads = MappingProxyType({"gram": GRAM, "cross": SUMMED})
     ridge_setting = "ridge"
     rf_omega: Tensor  # (d, D), with random features
     rf_phase: Tensor  # (D,)

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from workbench.linalg import class_sums, counts_of, statistics_dtype
-from workbench.methods.base import SUMMED, SYMMETRIC, ClientHalf, Cohort, FederatedMethod, Metrics, Problem, Uploads
+from workbench.methods.base import GRAM, SUMMED, ClientHalf, Cohort, FederatedMethod, Metrics, Problem, Uploads
 from workbench.methods.gaussian_heads import (
     FisherMixHead,
     GaussianMoments,
@@ -241,9 +241,9 @@ class GHOFL(FederatedMethod):
         """The sums and counts, and the second moments the selected heads need."""
         spec = {"class_sums": SUMMED, "class_counts": SUMMED}
         if self.sends_class_second_moments:
-            spec["class_second_moments"] = SYMMETRIC
+            spec["class_second_moments"] = GRAM
         if self.sends_second_moment:
-            spec["second_moment"] = SYMMETRIC
+            spec["second_moment"] = GRAM
         if self.sends_square_sums:
             spec["class_square_sums"] = SUMMED
         return spec

@@ -79,8 +79,8 @@ from workbench.linalg import (
 )
 from workbench.methods.afl import check_regularizer_in_ring
 from workbench.methods.base import (
+    GRAM,
     SUMMED,
-    SYMMETRIC,
     ClientHalf,
     Cohort,
     FederatedMethod,
@@ -389,7 +389,7 @@ class SAFLe(SparseEmbedding, FederatedMethod):
         holdout_fraction: the share of each client's rows (per class) held out to choose γ_out.
     """
 
-    uploads = MappingProxyType({"gram": SYMMETRIC, "cross": SUMMED,  # the solve round
+    uploads = MappingProxyType({"gram": GRAM, "cross": SUMMED,  # the solve round
                "feature_sum": SUMMED, "feature_square_sum": SUMMED, "count": SUMMED,  # the calibration round
                "histogram": SUMMED, **SELECTION_UPLOADS})  # the quantile round; choosing γ_out
 
