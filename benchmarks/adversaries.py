@@ -1,13 +1,16 @@
 """Accuracy against the share of adversarial clients: the analytic methods, which sum every
-client's statistics, beside FedAvg with its mean and with robust aggregation.
+client's statistics, without and with the screen (`federation.aggregation: screen`), beside
+FedAvg with its mean and with robust aggregation.
 
 mnist5k through EfficientNet-Lite0 at 64 px (d = 1280), K = 100 clients, Dirichlet α = 0.5,
 partition seed 0; every method at the setting the mnist5k leaderboard chose at K = 50, α = 0.5,
 seed 0 (the nearest committed setting): AFL γ_out = 10, GH-OFL's LDA head with shrinkage 0.01,
 DeepAFL as in the scenario (20 layers, float32), FedAvg's MLP with local lr 0.03 for 30 rounds.
 The adversaries (`federation.adversary_fraction`, drawn from seed 0) flip their labels, flip the
-sign of everything they send, or send it times −10; the fraction 1 % of 100 clients is one
-client. A fit that fails (e.g. a solve on a Gram made indefinite) is an outcome, shown as such.
+sign of everything they send, or send it times −10 or times 10; the fraction 1 % of 100 clients
+is one client. The screen's threshold is its default τ = 4, fixed before any attack was run (from
+the honest clients' spread: docs/robustness.md); its decisions are tabled beside the accuracies.
+A fit that fails (e.g. a solve on a Gram made indefinite) is an outcome, shown as such.
 
     python benchmarks/adversaries.py                        # about 15 min on 2 cores
     python benchmarks/adversaries.py --smoke --out /tmp/adversaries.md   # synthetic data, a minute
@@ -33,13 +36,20 @@ from benchmarks.common import fit_engine, load_average, machine_line, write_repo
 ROOT = Path(__file__).resolve().parents[1]
 FRACTIONS = (0.0, 0.01, 0.05, 0.1, 0.2)
 ATTACKS = {"labels flipped": {"attack": "label_flip"}, "sign flipped": {"attack": "sign_flip"},
-           "sign flipped ×10": {"attack": "scale", "attack_scale": -10.0}}
+           "sign flipped ×10": {"attack": "scale", "attack_scale": -10.0},
+           "scaled ×10": {"attack": "scale", "attack_scale": 10.0}}
 #: (method, its settings, the federation's aggregation)
+AFL = {"gamma": 1.0, "gamma_out": 10.0}
+GHOFL = {"heads": ["lda"], "primary_head": "lda", "shrinkage": 0.01}
+DEEPAFL = {"num_layers": 20, "hidden_dim": 1024, "block_dim": 1024, "activation": "gelu", "gamma": 1.0,
+           "gamma_s": 0.05, "dtype": "float32"}
 ROWS = {
-    "AFL": ("AFL", {"gamma": 1.0, "gamma_out": 10.0}, "mean"),
-    "GH-OFL (LDA)": ("GHOFL", {"heads": ["lda"], "primary_head": "lda", "shrinkage": 0.01}, "mean"),
-    "DeepAFL": ("DeepAFL", {"num_layers": 20, "hidden_dim": 1024, "block_dim": 1024, "activation": "gelu",
-                            "gamma": 1.0, "gamma_s": 0.05, "dtype": "float32"}, "mean"),
+    "AFL": ("AFL", AFL, "mean"),
+    "AFL (screen)": ("AFL", AFL, "screen"),
+    "GH-OFL (LDA)": ("GHOFL", GHOFL, "mean"),
+    "GH-OFL (LDA, screen)": ("GHOFL", GHOFL, "screen"),
+    "DeepAFL": ("DeepAFL", DEEPAFL, "mean"),
+    "DeepAFL (screen)": ("DeepAFL", DEEPAFL, "screen"),
     "FedAvg (mean)": ("FedAvg", {}, "mean"),
     "FedAvg (median)": ("FedAvg", {}, "median"),
     "FedAvg (trimmed mean, β = 0.2)": ("FedAvg", {}, "trimmed_mean"),
@@ -87,11 +97,15 @@ def _fit(job: tuple[str, str, float]) -> dict[str, Any]:
     federation = Federation(adversary_fraction=fraction, aggregation=ROWS[row][2], aggregation_trim=0.2, seed=0,
                             **ATTACKS[attack])
     start = time.perf_counter()
-    record = {"row": row, "attack": attack, "fraction": fraction}
+    record = {"row": row, "attack": attack, "fraction": fraction,
+              "adversaries": int(federation.adversaries(_DATA["data"].hparams.num_clients).sum())}
     try:
         engine, tested = fit_engine(build(row, _DATA["smoke"]), _DATA["data"], federation, eval_every=0,
                                     accelerator="cpu", devices=1)
         record.update(accuracy=tested["test/acc"], rounds=int(engine.fit_metrics["comm/rounds"]))
+        if federation.screens:  # its decisions over the fit's rounds
+            record.update(rejected=engine.fit_metrics["screen/rejected_total"],
+                          liars_rejected=engine.fit_metrics.get("attack/adversaries_rejected_total", 0.0))
     except Exception as error:  # an outcome of the attack (e.g. an indefinite Gram), not of the script
         record["failed"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
     record["wall_s"] = time.perf_counter() - start
@@ -120,7 +134,31 @@ def report(records: list[dict[str, Any]], wall_s: float, machine: str, smoke: bo
         lines.append("")
     if failures:
         lines += ["Failed fits:", "", *failures, ""]
-    return [*lines, machine]
+    return [*lines, *decisions(records), machine]
+
+
+def decisions(records: list[dict[str, Any]]) -> list[str]:
+    """The screen's decisions: honest clients and adversaries it rejected, over the fit's rounds."""
+    screened = [row for row in ROWS if ROWS[row][2] == "screen"]
+    lines = ["## The screen's decisions", "",
+             "Clients rejected over the fit's rounds, as *honest* + *adversaries* (of the adversaries × rounds "
+             "taking part: one round for AFL and GH-OFL, 21 for DeepAFL).", ""]
+    for attack in ATTACKS:
+        lines += [f"### {attack}", "", "| method | " + " | ".join(f"{100 * f:g} %" for f in FRACTIONS) + " |",
+                  "|---|" + "---:|" * len(FRACTIONS)]
+        for row in screened:
+            cells = []
+            for fraction in FRACTIONS:
+                record = next(r for r in records if (r["row"], r["attack"], r["fraction"]) == (row, attack, fraction))
+                if "rejected" not in record:
+                    cells.append("–")
+                    continue
+                liars = record["adversaries"] * record["rounds"]
+                honest = record["rejected"] - record["liars_rejected"]
+                cells.append(f"{honest:g} + {record['liars_rejected']:g} of {liars}")
+            lines.append(f"| {row} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
 
 
 def draw(records: list[dict[str, Any]], path: Path) -> None:
@@ -129,14 +167,14 @@ def draw(records: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, len(ATTACKS), figsize=(5.2 * len(ATTACKS), 4.2), sharey=True)
+    figure, axes = plt.subplots(1, len(ATTACKS), figsize=(4.6 * len(ATTACKS), 4.4), sharey=True)
     for axis, attack in zip(axes, ATTACKS, strict=True):
         for i, row in enumerate(ROWS):
             points = [(100 * r["fraction"], 100 * r["accuracy"]) for r in records
                       if r["row"] == row and r["attack"] == attack and "failed" not in r]
             points.sort()
             axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=plt.get_cmap("tab10")(i),
-                      linestyle="-" if i < 3 else "--", label=row)
+                      linestyle={"mean": "-", "screen": "-."}.get(ROWS[row][2], "--"), label=row)
         axis.set_title(attack)
         axis.set_xlabel("adversarial clients (%)")
         axis.grid(alpha=0.3)

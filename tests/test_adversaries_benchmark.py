@@ -1,5 +1,6 @@
 """benchmarks/adversaries.py: one cell per method × share of adversaries for each attack, a fit the
-attack made fail shown as such with its error, and each row's method built as stated."""
+attack made fail shown as such with its error, the screen's decisions as its fits counted them, and
+each row's method built as stated."""
 from __future__ import annotations
 
 from benchmarks import adversaries
@@ -7,8 +8,12 @@ from workbench.methods import AFL, DeepAFL, FedAvg
 
 
 def test_each_cell_is_its_fit_and_a_failed_fit_says_why():
-    records = [{"row": row, "attack": attack, "fraction": fraction, "accuracy": 0.5 + fraction}
+    records = [{"row": row, "attack": attack, "fraction": fraction, "accuracy": 0.5 + fraction, "rounds": 1,
+                "adversaries": round(100 * fraction)}
                for attack in adversaries.ATTACKS for row in adversaries.ROWS for fraction in adversaries.FRACTIONS]
+    for record in records:
+        if adversaries.ROWS[record["row"]][2] == "screen":
+            record.update(rejected=round(100 * record["fraction"]) + 2, liars_rejected=round(100 * record["fraction"]))
     broken = next(r for r in records if (r["row"], r["attack"], r["fraction"]) == ("AFL", "sign flipped", 0.2))
     del broken["accuracy"]
     broken["failed"] = "LinAlgError: the Gram is not positive definite"
@@ -16,6 +21,8 @@ def test_each_cell_is_its_fit_and_a_failed_fit_says_why():
     assert "| AFL | 50.00 | 51.00 | 55.00 | 60.00 | fails |" in text
     assert "- AFL, sign flipped, 20 %: LinAlgError: the Gram is not positive definite" in text
     assert text.count("| FedAvg (median) |") == len(adversaries.ATTACKS) and text.endswith("Machine: test.")
+    # the screen's decisions: 2 honest clients and every adversary rejected, of 1, 5, 10, 20 adversaries
+    assert "| AFL (screen) | 2 + 0 of 0 | 2 + 1 of 1 | 2 + 5 of 5 | 2 + 10 of 10 | 2 + 20 of 20 |" in text
 
 
 def test_the_rows_build_the_methods_they_name():
@@ -25,4 +32,4 @@ def test_the_rows_build_the_methods_they_name():
     fedavg = adversaries.build("FedAvg (median)", smoke=False)
     assert isinstance(fedavg, FedAvg) and fedavg.num_rounds == 30 and fedavg.local.lr == 0.03
     assert {aggregation for *_, aggregation in adversaries.ROWS.values()} == {"mean", "median", "trimmed_mean",
-                                                                             "multi_krum"}
+                                                                             "multi_krum", "screen"}

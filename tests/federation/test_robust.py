@@ -44,7 +44,8 @@ def test_a_rounds_aggregate_is_m_times_the_center_of_the_clients_own_updates():
     half.setup_clients(clients, len(dm.train_labels))
     rows_at = torch.arange(len(dm.train_labels))
     cohort = Cohort(dm.train_features, dm.train_labels, dm.train_client_ids, clients, rows_at)
-    rows = client_step(half, method.uploads, 0, method.plan_round(clients).broadcast, cohort, aggregation="median").uploads
+    broadcast = method.plan_round(clients).broadcast
+    rows = client_step(half, method.uploads, 0, broadcast, cohort, aggregation="median").uploads
     assert rows["update"].shape[0] == 7  # one row per client on the wire
     assert torch.allclose(result.uploads["update"], 7 * rows["update"].median(0).values, rtol=1e-6, atol=1e-7)
     plain = one_round(FedAvg(num_rounds=1, architecture="linear", seed=0), dm, Federation())

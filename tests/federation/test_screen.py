@@ -105,6 +105,9 @@ def test_a_multi_round_method_drops_the_liars_every_round_and_keeps_its_accuracy
     defended = fit(deepafl(), dm, federation)
     attacked = fit(deepafl(), dm,
                    Federation(adversary_fraction=0.2, attack="scale", attack_scale=-10.0, seed=0))
+    rejected = 2.0 * defended.method.round  # the fit's totals: both liars, every round
+    assert defended.fit_metrics["screen/rejected_total"] == defended.fit_metrics["attack/adversaries_rejected_total"] \
+        == rejected
     honest_acc, defended_acc, attacked_acc = (engine.trainer.test(engine, datamodule=dm, verbose=False)[0]["test/acc"]
                                               for engine in (honest, defended, attacked))
     assert defended_acc > honest_acc - 0.05 and attacked_acc < defended_acc - 0.2, (honest_acc, defended_acc,

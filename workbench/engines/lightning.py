@@ -374,6 +374,9 @@ class LightningEngine(LightningModule):
                          + [[result.round_index, client, "missing", why] for client, why in missing])
         if self.protocol.privacy.clip_norm is not None:
             totals["dp_clip_norm"] = self.protocol.privacy.clip_norm
+        for name in ("screen/rejected", "attack/adversaries_rejected"):  # the screen's decisions over the fit
+            if name in result.metrics:
+                totals[name] = totals.get(name, 0.0) + result.metrics[name]
         clock = self.protocol.clock
         if clock is not None and result.latency_s is not None:  # the clock's measurements go on after a resume
             totals["latency_s"] += result.latency_s
@@ -424,6 +427,9 @@ class LightningEngine(LightningModule):
             self.fit_metrics["latency/stragglers_total"] = totals.get("latency_stragglers", 0.0)
             if self.protocol.clock is not None and self.protocol.clock.row_s is not None:  # what the clock took
                 self.fit_metrics["latency/row_s"] = self.protocol.clock.row_s
+        self.fit_metrics.update({f"{name}_total": totals[name] for name in ("screen/rejected",
+                                                                            "attack/adversaries_rejected")
+                                 if name in totals})
         if self.federation.secure_aggregation:  # masking (client time) and unmasking (server time)
             self.fit_metrics["time/secure_aggregation_s"] = totals["secure_s"]
             self.fit_metrics.update({  # beside comm/bytes_up_per_client: totals over the fit / K
