@@ -92,17 +92,16 @@ class LocalClients:
                 replies.uploads, replies.metric_sums, replies.bytes_up = (message.uploads, message.metrics,
                                                                           message.bytes_up)
             elif len(mine):  # honest and lying clients apart (the screened one by one), in client order
-                total: dict[str, Tensor] = {}
+                parts = []
                 runs = ([(client[None], lying and bool(self.adversarial[int(client)])) for client in mine]
                         if federation.screens else segments(mine, self.adversarial))
                 for run, adversarial in runs:
                     message = self.step(request, run)
-                    uploads = self._lie(message.uploads, request, len(run), attack_noise) if adversarial \
-                        else message.uploads
-                    codec.combine(total, uploads, request.spec)
+                    parts.append(self._lie(message.uploads, request, len(run), attack_noise) if adversarial
+                                 else message.uploads)
                     add_metrics(replies.metric_sums, message.metrics)
                     replies.bytes_up += message.bytes_up
-                replies.uploads = total
+                replies.uploads = codec.combine(parts, request.spec)
         else:
             for client in mine:
                 message = self.step(request, client[None])

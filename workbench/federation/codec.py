@@ -19,7 +19,7 @@ packs, masks or noises uploads reads that spec here, outside the method:
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -165,14 +165,18 @@ def unpack(message: Mapping[str, Tensor], symmetric: frozenset[str]) -> dict[str
     return full
 
 
-def combine(total: dict[str, Tensor], uploads: Mapping[str, Tensor], spec: Spec) -> dict[str, Tensor]:
-    """Adds one cohort's uploads to a round's running total: summed, or stacked after the rows
-    already there (callers add cohorts in client order)."""
-    for name, value in uploads.items():
-        if name not in total:
-            total[name] = value.clone()
-        elif spec[name].stacked:
-            total[name] = torch.cat([total[name], value])
-        else:
-            total[name] += value
-    return total
+def combine(parts: Iterable[Mapping[str, Tensor]], spec: Spec) -> dict[str, Tensor]:
+    """Cohorts' uploads, in client order, combined as the round's: summed (in that order), or
+    stacked (each cohort's rows after those before it, concatenated once)."""
+    total: dict[str, Tensor] = {}
+    stacks: dict[str, list[Tensor]] = {}
+    for uploads in parts:
+        for name, value in uploads.items():
+            if spec[name].stacked:
+                stacks.setdefault(name, []).append(value)
+                total.setdefault(name, value)  # (its place among the names)
+            elif name not in total:
+                total[name] = value.clone()
+            else:
+                total[name] += value
+    return {name: torch.cat(stacks[name]) if name in stacks else value for name, value in total.items()}

@@ -76,6 +76,6 @@ def screen(uploads: Mapping[str, Tensor], spec: codec.Spec, threshold: float) ->
     combined = {}
     for name, value in uploads.items():
         if name != ROWS:
-            rows = value[kept.to(value.device)]
+            rows = value if kept.all() else value[kept.to(value.device)]  # (no copy when all pass)
             combined[name] = rows if spec[name].stacked else rows.sum(0)
     return combined, kept

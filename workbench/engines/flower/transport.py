@@ -333,20 +333,20 @@ class FlowerClients:
         replies = Replies(missing={client: why for client, why in missing.items() if client in survivors},
                           not_sent=not_sent)
         symmetric = codec.symmetric_names(request.spec)
+        parts = []
         for client in sorted(set(survivors) - set(missing)):  # a fixed order: the sum does not depend on arrival
             reply = replies_by_client[client]
             add_metrics(replies.metric_sums, numbers(reply.metric_records["metrics"]))
             replies.bytes_up += int(number(reply.metric_records["report"], "bytes_up"))
             if request.secure is None:
-                uploads = codec.unpack(from_record(reply.array_records["uploads"]), symmetric)
-                replies.uploads = codec.combine(replies.uploads if replies.uploads is not None else {}, uploads,
-                                                request.spec)
+                parts.append(codec.unpack(from_record(reply.array_records["uploads"]), symmetric))
             else:
                 masked = from_record(reply.array_records["masked"])["masked"]
                 replies.masked = masked if replies.masked is None else ring_sum([replies.masked, masked])
                 replies.layout = replies.layout or _layout(json.loads(text(reply.config_records["layout"], "json")))
-        if replies.uploads is not None:
-            replies.uploads = {name: value.to(_device(self.method)) for name, value in replies.uploads.items()}
+        if parts:
+            replies.uploads = {name: value.to(_device(self.method))
+                               for name, value in codec.combine(parts, request.spec).items()}
         self._admit()
         replies.client_s = time.perf_counter() - start  # the server's wait: transport included
         return replies
