@@ -135,7 +135,7 @@ class ClientsAlone:
     def update(self, request: RoundRequest) -> Replies:
         if request.secure is not None:
             raise ValueError("the reference runs without secure aggregation")
-        start, total = time.perf_counter(), Replies()
+        start, total, parts = time.perf_counter(), Replies(), []
         nobody = torch.tensor([], dtype=torch.long)
         for client in sorted(request.survivors.tolist() + request.lost.tolist()):
             survives = client in request.survivors
@@ -143,9 +143,10 @@ class ClientsAlone:
                                         lost=nobody if survives else torch.tensor([client]))
             reply = self._timed(lambda alone=alone, client=client: self.nodes[client].update(alone))
             if survives and reply.uploads is not None:  # combined in client order, as over Flower
-                total.uploads = codec.combine(total.uploads or {}, reply.uploads, request.spec)
+                parts.append(reply.uploads)
                 total.bytes_up += reply.bytes_up
                 add_metrics(total.metric_sums, reply.metric_sums)
+        total.uploads = codec.combine(parts, request.spec) if parts else None
         total.client_s = time.perf_counter() - start
         return total
 

@@ -43,7 +43,7 @@ class OneByOneClients:
                                          dm.train_client_ids[mine], torch.tensor([k]), dm.hparams.batch_size)
 
     def update(self, request: RoundRequest) -> Replies:
-        total = Replies()
+        total, parts = Replies(), []
         nobody = torch.tensor([], dtype=torch.long)
         for k in sorted(request.survivors.tolist() + request.lost.tolist()):
             survives = k in request.survivors
@@ -53,11 +53,12 @@ class OneByOneClients:
             if not survives:
                 continue
             if reply.uploads is not None:  # one client's uploads, combined in client order
-                total.uploads = codec.combine(total.uploads or {}, reply.uploads, request.spec)
+                parts.append(reply.uploads)
             total.masked = reply.masked if request.secure is not None else None
             total.layout = reply.layout
             total.bytes_up += reply.bytes_up
             add_metrics(total.metric_sums, reply.metric_sums)
+        total.uploads = codec.combine(parts, request.spec) if parts else None
         return total
 
     def finish(self, broadcast):

@@ -120,6 +120,8 @@ def test_the_screen_is_refused_where_it_cannot_check():
         fit(FedAvg(num_rounds=1, architecture="linear"), dm, SCREEN)
     with pytest.raises(ValueError, match="FedNCM sends no Gram to check"):
         fit(FedNCM(), dm, SCREEN)
+    with pytest.raises(ValueError, match="FedNCM sends no Gram to check"):  # without an engine, by run_round alone
+        rounds(FedNCM(), dm, None, SCREEN)
     with pytest.raises(ValueError, match="secure aggregation shows the server only their sum"):
         Federation(aggregation="screen", secure_aggregation=True)
     with pytest.raises(ValueError, match="aggregation_threshold must be > 1"):

@@ -56,10 +56,9 @@ from workbench.engines import ddp
 from workbench.engines.local import LocalClients
 from workbench.engines.round import FitProtocol, Rejoins, RoundResult, Transport, run_final, run_round
 from workbench.engines.stopping import Stopping
-from workbench.federation import Federation, codec
+from workbench.federation import Federation
 from workbench.federation.privacy import clip_features
-from workbench.federation.secure_aggregation import check_secure_aggregation
-from workbench.federation.systems import SimulatedClock, Systems, check_systems
+from workbench.federation.systems import SimulatedClock, Systems
 from workbench.methods.base import FederatedMethod, Problem
 from workbench.runlog import save_client_events, save_per_client_table
 from workbench.settings import init_arguments, plain
@@ -204,11 +203,9 @@ class LightningEngine(LightningModule):
         fit the protocol and the stopping rule checked against it."""
         self.method.setup(self.problem_of(data))
         if fitting:
-            self._check_protocol()
-            check_secure_aggregation(self.federation, self.method.num_clients,
-                                     len(torch.unique(data.train_client_ids)))
-            if self.systems.active:
-                check_systems(self.systems, self.federation, in_process=self.remote_clients is None)
+            FitProtocol.check(self.method, self.federation, len(torch.unique(data.train_client_ids)),
+                              self.systems if self.systems.active else None, in_process=self.remote_clients is None,
+                              remote=self.remote_clients is not None)
             self._check_stopping(data)
             self.method.check_data(data)
 
@@ -237,55 +234,11 @@ class LightningEngine(LightningModule):
                 "sample-split batches: use strategy=FederatedDDPStrategy() (or 'federated_ddp') in "
                 "Python; on the command line --trainer.strategy=ddp selects it")
 
-    def _check_protocol(self) -> None:
-        name, protocol, spec = type(self.method).__name__, self.federation, self.method.uploads
-        # (as FitProtocol.start: who takes part varies with the clock's decisions and the screen's)
-        self.method.participation_varies = (self.systems.active and self.systems.decides) or protocol.screens
-        self.method.check_protocol(protocol)
-        stacked = sorted(codec.stacked_names(spec))
-        if protocol.secure_aggregation and stacked:
-            raise ValueError(f"secure aggregation reveals only a sum, but {name} sends per-client uploads "
-                             f"{stacked}: set federation.secure_aggregation=false for it")
-        if protocol.dp_sigma > 0 and stacked:
-            raise ValueError(f"federation.dp_sigma adds noise to summed statistics; {name} sends per-client "
-                             f"uploads {stacked}: set federation.dp_sigma=0 for it")
-        if protocol.client_level_dp and not self.method.clips_updates:
-            raise ValueError(f"federation.dp_clip clips clients' model updates, which {name} does not send: "
-                             "set federation.dp_clip=0 (analytic methods: dp_sigma with feature_clip)")
-        if protocol.client_level_dp and protocol.dp_sigma > 0:
-            raise ValueError("federation.dp_clip (client-level DP) and dp_sigma (noise on statistics) both noise "
-                             "the sum: set one of them to 0")
-        if getattr(self.method, "sample_fraction", 1.0) < 1 and protocol.sample_rate < 1:
-            raise ValueError(f"{name}'s sample_fraction and federation.sample_rate would both sample clients: set "
-                             "the model's sample_fraction=1 and sample with federation.sample_rate (the one the "
-                             "privacy accountant credits)")
-        if protocol.robust and not codec.model_update_names(spec):
-            raise ValueError(f"federation.aggregation={protocol.aggregation} combines clients' model updates; {name} "
-                             "sends statistics, which are summed: set federation.aggregation=mean for it")
-        if protocol.screens and (codec.model_update_names(spec) or not codec.gram_names(spec)):
-            raise ValueError(f"federation.aggregation=screen checks the Grams of an analytic method's statistics; "
-                             f"{name} sends " + ("model updates: use median, trimmed_mean, krum, multi_krum or "
-                                                 "norm_bound for them" if codec.model_update_names(spec) else
-                                                 "no Gram to check: set federation.aggregation=mean for it"))
-        if protocol.aggregation != "mean" and self.remote_clients is not None:
-            raise ValueError(f"federation.aggregation={protocol.aggregation} runs in process (its clients' uploads "
-                             "stay one row each); a remote transport's nodes sum theirs: set aggregation=mean there")
-        if protocol.adversary_fraction > 0 and self.remote_clients is not None:
-            raise ValueError("federation.adversary_fraction makes in-process clients lie; a remote transport's "
-                             "clients run their own code: set it to 0 there (or fit in process)")
-        if protocol.adversary_fraction > 0 and protocol.attack == "noise" and not codec.model_update_names(spec):
-            raise ValueError(f"federation.attack=noise noises model updates, which {name} does not send: use "
-                             "sign_flip or scale (on its statistics) or label_flip")
-        if protocol.feature_clip > 0 and self.remote_clients is not None:
-            raise ValueError("federation.feature_clip clips the rows of in-process clients; with a remote "
-                             "transport, clip the features where the clients load them and set it to 0")
-
     def configure_optimizers(self) -> list:
         return []  # the rounds update the model themselves: no optimizer (and nothing for Lightning to warn about)
 
     # ---- rounds -----------------------------------------------------------------------------
     def on_fit_start(self) -> None:
-        self._check_protocol()
         if self.method.fitted:  # its final broadcast went out: the clients hold the delivered model
             raise ValueError(
                 f"this checkpoint is of a finished fit ({self.method.round} rounds and the final broadcast): it "
@@ -311,7 +264,8 @@ class LightningEngine(LightningModule):
             self._totals.setdefault("latency_s", 0.0)
         self.protocol = FitProtocol.start(self.method, self.federation, len(self.available),
                                           clip_norm=self._totals.pop("dp_clip_norm", None), clock=clock,
-                                          in_process=self.remote_clients is None and self.trainer.world_size == 1)
+                                          in_process=self.remote_clients is None and self.trainer.world_size == 1,
+                                          remote=self.remote_clients is not None)
         self.curve = []
         self._stop = False
         self._check_stopping(self.data)

@@ -42,6 +42,7 @@ from torch import Tensor
 
 from workbench.federation import Federation, codec, messages_bytes, robust, screen
 from workbench.federation.client_step import wire_spec
+from workbench.federation.compatibility import check_compatible
 from workbench.federation.privacy import CLIP_NORM_BYTES, FitPrivacy
 from workbench.federation.secure_aggregation import (
     SecureAggregator,
@@ -49,7 +50,7 @@ from workbench.federation.secure_aggregation import (
     check_secure_aggregation,
     secure_aggregator,
 )
-from workbench.federation.systems import EveryClientLate, SimulatedClock, check_systems
+from workbench.federation.systems import EveryClientLate, SimulatedClock, Systems, check_systems
 from workbench.methods.base import FederatedMethod, Metrics
 
 
@@ -206,16 +207,28 @@ class FitProtocol:
     @classmethod
     def start(cls, method: FederatedMethod, federation: Federation, population: int,
               clip_norm: float | None = None, clock: SimulatedClock | None = None,
-              in_process: bool = True) -> FitProtocol:
-        """A fit's protocol over `population` clients with data; refuses, before any round, a fit
-        over its privacy budget, whose SecAgg+ no round can unmask (`check_secure_aggregation`)
-        or whose systems settings the protocol cannot honour (`check_systems`; `in_process`: the
-        clients' step runs in this process). `clip_norm`: a resumed fit's adaptive clip norm."""
-        check_secure_aggregation(federation, method.num_clients, population)
-        if clock is not None:
-            check_systems(clock.systems, federation, in_process)
-        method.participation_varies = (clock is not None and clock.systems.decides) or federation.screens
+              in_process: bool = True, remote: bool = False) -> FitProtocol:
+        """A fit's protocol over `population` clients with data, once `check` passes;
+        `clip_norm`: a resumed fit's adaptive clip norm. Refuses a fit over its privacy budget."""
+        cls.check(method, federation, population, clock.systems if clock is not None else None, in_process, remote)
         return cls(federation, FitPrivacy(method, federation, population, clip_norm), clock)
+
+    @staticmethod
+    def check(method: FederatedMethod, federation: Federation, population: int, systems: Systems | None = None,
+              in_process: bool = True, remote: bool = False) -> None:
+        """Refuses, before any round, what `method` cannot run under `federation` over `population`
+        clients with data: the method's own refusals (`FederatedMethod.check_protocol`), the
+        protocol's against its uploads and where its clients run (`check_compatible`; `remote`: a
+        Flower transport), a SecAgg+ no round can unmask (`check_secure_aggregation`), systems
+        settings it cannot honour (`check_systems`; `in_process`: the clients' step runs in this
+        process). Tells the method whether who takes part varies beyond `federation`'s cohorts
+        (a deadline's stragglers, clients offline, the screen's rejections)."""
+        method.participation_varies = (systems is not None and systems.decides) or federation.screens
+        method.check_protocol(federation)
+        check_compatible(federation, method.uploads, type(method).__name__, remote)
+        check_secure_aggregation(federation, method.num_clients, population)
+        if systems is not None:
+            check_systems(systems, federation, in_process)
 
 
 def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtocol, available: Tensor) -> RoundResult:

@@ -264,6 +264,10 @@ class GradientMethod(FederatedMethod):
         return RoundPlan(self.sample_clients(available), self.broadcast())
 
     def check_protocol(self, federation: Federation) -> None:
+        if self.sample_fraction < 1 and federation.sample_rate < 1:
+            raise ValueError(f"{type(self).__name__}'s sample_fraction and federation.sample_rate would both sample "
+                             "clients: set the model's sample_fraction=1 and sample with federation.sample_rate (the "
+                             "one the privacy accountant credits)")
         if self.init_from.enabled and (federation.dp_sigma > 0 or federation.client_level_dp):
             raise ValueError("the analytic start's statistics have no differential-privacy accounting yet: set "
                              "model.init_from.method=none, or federation.dp_sigma=0 and federation.dp_clip=0")
