@@ -6,6 +6,7 @@ import yaml
 
 from tests.conftest import ROOT, last_run, metrics
 from workbench.cli import main
+from workbench.federation import Federation
 
 TINY = ["--config", str(ROOT / "configs/synthetic_afl.yaml"), "--trainer.enable_progress_bar=false"]
 
@@ -24,6 +25,18 @@ def test_fit_logs_accuracy_bytes_and_time_and_reruns_into_the_same_folder(tmp_pa
     assert (runs[-1] / "last.ckpt").exists()  # written after every round (`--checkpoint_every_round`)
     out = capsys.readouterr().out
     assert "test accuracy" in out and str(runs[-1]) in out
+
+
+def test_the_summary_shows_the_protocol_in_its_order_and_what_the_screen_rejected(tmp_path, capsys):
+    main(["fit", *TINY, f"--run_dir={tmp_path}", "--federation.dropout=0.2", "--federation.adversary_fraction=0.1",
+          "--federation.attack=scale", "--federation.attack_scale=-10", "--federation.aggregation=screen"])
+    out = capsys.readouterr().out
+    assert ("protocol          0.2 of the clients drop out → 0.1 of the clients lie (scale × -10) → screen (τ = 4)"
+            in out)
+    federation = Federation(dropout=0.2, adversary_fraction=0.1)
+    lying = int((federation.adversaries(10) & ~federation.dropped_clients(0, 10)).sum())  # the liar, if it sent
+    assert metrics(last_run(tmp_path))["screen/rejected_total"] == lying
+    assert f"screen            {lying} client uploads rejected" in out
 
 
 def test_model_and_data_settings_are_logged_apart_even_when_they_share_a_key(tmp_path):

@@ -310,6 +310,9 @@ def print_summary(trainer, engine, checkpoint: Path | None = None,
         f"bytes up          {_megabytes(metrics.get('comm/bytes_up', 0))} in all, "
         f"{_megabytes(metrics.get('comm/bytes_up_per_client', 0))} per client",
         f"bytes down        {_megabytes(metrics.get('comm/bytes_down', 0))}",
+        *([f"protocol          {' → '.join(engine.federation.stages())}"] if engine.federation.stages() else []),
+        *([f"screen            {int(metrics['screen/rejected_total'])} client uploads rejected"]
+          if "screen/rejected_total" in metrics else []),
         *([f"privacy           ε = {metrics['privacy/epsilon']:.3g} at δ = {engine.federation.dp_delta:g}"]
           if "privacy/epsilon" in metrics else []),
         f"time              fit {metrics.get('time/fit_s', float('nan')):.2f} s "
