@@ -36,11 +36,13 @@ def test_the_rows_build_the_methods_they_name():
 
 
 def test_the_honest_spread_is_tabled_as_measured():
-    spread = [{"clients": 100, "alpha": 0.5, "seeds": 3, "smallest": 7, "gram": [0.66, 1.29], "afl": [0.72, 1.34]},
-              {"clients": 1000, "alpha": None, "seeds": 3, "smallest": 4, "gram": [0.43, 1.69], "afl": [0.52, 1.59]}]
+    spread = [{"clients": 100, "alpha": 0.5, "seeds": 3, "smallest": 7,
+               "ranges": [[0.66, 1.29], [0.72, 1.34], [0.7, 1.5]]},
+              {"clients": 1000, "alpha": None, "seeds": 3, "smallest": 4,
+               "ranges": [[0.43, 1.69], [0.52, 1.59], [0.8, 1.24]]}]
     records = [{"row": row, "attack": attack, "fraction": fraction, "accuracy": 0.5, "rounds": 1, "adversaries": 0}
                for attack in adversaries.ATTACKS for row in adversaries.ROWS for fraction in adversaries.FRACTIONS]
     text = "\n".join(adversaries.report(records, 60.0, "Machine: test.", smoke=False, spread=spread))
-    assert "| 100 | 0.5 | 3 | 7 | 0.66 – 1.29 | 0.72 – 1.34 |" in text
-    assert "| 1000 | iid | 3 | 4 | 0.43 – 1.69 | 0.52 – 1.59 |" in text
+    assert "| 100 | 0.5 | 3 | 7 | 0.66 – 1.29 | 0.72 – 1.34 | 0.70 – 1.50 |" in text
+    assert "| 1000 | iid | 3 | 4 | 0.43 – 1.69 | 0.52 – 1.59 | 0.80 – 1.24 |" in text
     assert "spread" not in "\n".join(adversaries.report(records, 60.0, "Machine: test.", smoke=False))
