@@ -36,7 +36,7 @@ def test_the_summary_shows_the_protocol_in_its_order_and_what_the_screen_rejecte
     federation = Federation(dropout=0.2, adversary_fraction=0.1)
     lying = int((federation.adversaries(10) & ~federation.dropped_clients(0, 10)).sum())  # the liar, if it sent
     assert metrics(last_run(tmp_path))["screen/rejected_total"] == lying
-    assert f"screen            {lying} client uploads rejected" in out
+    assert f"screen            {lying} uploads rejected, from {lying} clients" in out
 
 
 def test_model_and_data_settings_are_logged_apart_even_when_they_share_a_key(tmp_path):

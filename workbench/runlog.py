@@ -311,7 +311,8 @@ def print_summary(trainer, engine, checkpoint: Path | None = None,
         f"{_megabytes(metrics.get('comm/bytes_up_per_client', 0))} per client",
         f"bytes down        {_megabytes(metrics.get('comm/bytes_down', 0))}",
         *([f"protocol          {' → '.join(engine.federation.stages())}"] if engine.federation.stages() else []),
-        *([f"screen            {int(metrics['screen/rejected_total'])} client uploads rejected"]
+        *([f"screen            {int(metrics['screen/rejected_total'])} uploads rejected, from "
+           f"{int(metrics['screen/clients_rejected'])} clients (each left out from its first rejection on)"]
           if "screen/rejected_total" in metrics else []),
         *([f"privacy           ε = {metrics['privacy/epsilon']:.3g} at δ = {engine.federation.dp_delta:g}"]
           if "privacy/epsilon" in metrics else []),

@@ -10,9 +10,11 @@ from tests.conftest import fit
 from tests.engines.conformance import comparable_state
 from tests.federation.test_adversaries import one_round, statistics
 from tests.federation.test_systems import data, rounds
+from workbench.engines.local import LocalClients
+from workbench.engines.round import EveryClientRejected, FitProtocol, run_round
 from workbench.federation import Federation
-from workbench.federation.screen import ROWS, passes, valid_gram
-from workbench.methods import AFL, GHOFL, DeepAFL, FedAvg, FedNCM
+from workbench.federation.screen import ROWS, decide, valid_gram
+from workbench.methods import AFL, GHOFL, AnaPFL, DeepAFL, FedAvg, FedNCM, Problem
 from workbench.methods.base import GRAM, SUMMED
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -44,12 +46,19 @@ def test_the_trace_per_row_is_checked_against_the_median_client():
     grams = torch.stack(grams)
     spec = {"gram": GRAM, "cross": SUMMED}
     uploads = {"gram": grams, "cross": torch.zeros(6, 6, 3), ROWS: rows}
-    assert passes(uploads, spec, 4.0).all()  # clients of 10 to 160 rows alike
+    nobody = torch.zeros(6, dtype=torch.bool)
+    assert decide(uploads, spec, 4.0, nobody).kept.all()  # clients of 10 to 160 rows alike
     scaled = grams.clone()
     scaled[1] *= 5.0
     scaled[4] *= 0.2
-    assert passes({**uploads, "gram": scaled}, spec, 4.0).tolist() == [True, False, True, True, False, True]
-    assert passes({**uploads, "gram": scaled}, spec, 6.0).all()  # within a looser factor
+    scaled[5] *= -1.0
+    decision = decide({**uploads, "gram": scaled}, spec, 4.0, nobody)
+    assert decision.kept.tolist() == [True, False, True, True, False, False]
+    assert decision.out_of_scale.tolist() == [False, True, False, False, True, False]
+    assert decision.invalid.tolist() == [False] * 5 + [True]
+    assert decide({**uploads, "gram": scaled}, spec, 6.0, nobody).kept.tolist() == [True] * 5 + [False]  # looser
+    barred = decide(uploads, spec, 4.0, torch.tensor([False, False, True, False, False, False]))
+    assert barred.kept.tolist() == [True, True, False, True, True, True] and barred.barred[2]
 
 
 def deepafl(**settings):
@@ -85,6 +94,41 @@ def test_liars_are_rejected_and_the_round_is_exactly_the_honest_clients(attack, 
         assert torch.allclose(result.uploads[name], expected[name], rtol=1e-12, atol=1e-9), name
     assert result.metrics["screen/rejected"] == 3 and result.metrics["attack/adversaries_rejected"] == 3
     assert result.metrics["attack/adversaries_in_round"] == 0 and result.metrics["comm/clients_in_round"] == 7
+
+
+@pytest.mark.parametrize("method", [lambda: AFL(gamma=1.0, gamma_grid=[0.01, 1.0, 100.0]),
+                                    lambda: AnaPFL(hidden_dim=16)])
+def test_a_rejected_client_stays_out_of_the_rounds_that_send_no_gram(method):
+    """AFL's γ scoring round and AnaPFL's λ round carry no Gram to check: the liars rejected in the
+    first round stay out of them (they once sent negative hold-out counts into the sum)."""
+    dm = data(10)
+    federation = Federation(adversary_fraction=0.2, attack="scale", attack_scale=-10.0, aggregation="screen", seed=0)
+    results, _ = rounds(method(), dm, None, federation, count=2)
+    assert [r.metrics["attack/adversaries_in_round"] for r in results] == [0.0, 0.0]
+    assert results[0].screened_out == torch.nonzero(federation.adversaries(10)).flatten().tolist()
+    assert results[1].screened_out == [] and results[1].metrics["screen/rejected"] == 2
+
+
+def test_a_resumed_fit_keeps_its_rejected_clients_out():
+    dm = data(6)
+    method = AFL(gamma=1.0)
+    method.federation = SCREEN
+    method.setup(Problem.of(dm))
+    available = torch.unique(dm.train_client_ids)
+    clients = LocalClients(method, dm.train_features, dm.train_labels, dm.train_client_ids, available, 64)
+    protocol = FitProtocol.start(method, SCREEN, len(available), rejected=[1, 4])
+    result = run_round(method, clients, protocol, available)
+    assert result.survivors.tolist() == [0, 2, 3, 5] and result.screened_out == []
+    assert torch.allclose(result.uploads["gram"], statistics(dm, [0, 2, 3, 5])["gram"], rtol=1e-12, atol=1e-9)
+
+
+def test_a_round_with_every_client_rejected_is_one_line_and_a_lone_client_is_warned_of():
+    dm = data(6)
+    liars = Federation(adversary_fraction=0.5, attack="sign_flip", aggregation="screen", sample_rate=0.2, seed=3)
+    assert liars.adversaries(6)[liars.sampled_clients(0, torch.arange(6))].all()  # the round's one client lies
+    with pytest.warns(UserWarning, match="a round here keeps about 1"), \
+            pytest.raises(EveryClientRejected, match="1 sent a Gram that is not positive semidefinite"):
+        rounds(AFL(gamma=1.0), dm, None, liars)
 
 
 def test_flipped_labels_pass_the_screen():
@@ -126,3 +170,5 @@ def test_the_screen_is_refused_where_it_cannot_check():
         Federation(aggregation="screen", secure_aggregation=True)
     with pytest.raises(ValueError, match="aggregation_threshold must be > 1"):
         Federation(aggregation="screen", aggregation_threshold=1.0)
+    with pytest.raises(ValueError, match=r"which dp_sigma's accounting .* does not cover"):
+        Federation(aggregation="screen", dp_sigma=1.0, feature_clip=1.0)

@@ -63,6 +63,8 @@ from workbench.methods.base import FederatedMethod, Problem
 from workbench.runlog import save_client_events, save_per_client_table
 from workbench.settings import init_arguments, plain
 
+REJECTED = "rejected"  # a client event: the screen rejected the client, left out of the fit from then on
+
 
 def check_epoch_limit(max_epochs: int | None, num_rounds: int) -> None:
     """One epoch is one round: a Trainer limited to fewer epochs than the method's rounds would
@@ -265,7 +267,8 @@ class LightningEngine(LightningModule):
         self.protocol = FitProtocol.start(self.method, self.federation, len(self.available),
                                           clip_norm=self._totals.pop("dp_clip_norm", None), clock=clock,
                                           in_process=self.remote_clients is None and self.trainer.world_size == 1,
-                                          remote=self.remote_clients is not None)
+                                          remote=self.remote_clients is not None,
+                                          rejected=[event[1] for event in self.client_events if event[2] == REJECTED])
         self.curve = []
         self._stop = False
         self._check_stopping(self.data)
@@ -325,7 +328,9 @@ class LightningEngine(LightningModule):
         self.fit_metrics.update({**result.metrics, **times})
         missing = sorted(result.missing.items())
         self._log_events(rejoined_events(result.round_index, result.rejoined)
-                         + [[result.round_index, client, "missing", why] for client, why in missing])
+                         + [[result.round_index, client, "missing", why] for client, why in missing]
+                         + [[result.round_index, client, REJECTED, "the screen: left out from now on"]
+                            for client in result.screened_out])
         if self.protocol.privacy.clip_norm is not None:
             totals["dp_clip_norm"] = self.protocol.privacy.clip_norm
         for name in ("screen/rejected", "attack/adversaries_rejected"):  # the screen's decisions over the fit
@@ -384,6 +389,8 @@ class LightningEngine(LightningModule):
         self.fit_metrics.update({f"{name}_total": totals[name] for name in ("screen/rejected",
                                                                             "attack/adversaries_rejected")
                                  if name in totals})
+        if self.federation.screens:
+            self.fit_metrics["screen/clients_rejected"] = float(len(self.protocol.rejected))
         if self.federation.secure_aggregation:  # masking (client time) and unmasking (server time)
             self.fit_metrics["time/secure_aggregation_s"] = totals["secure_s"]
             self.fit_metrics.update({  # beside comm/bytes_up_per_client: totals over the fit / K

@@ -33,13 +33,15 @@ these two and log what they return.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
+from workbench.console import RunOutcome
 from workbench.federation import Federation, codec, messages_bytes, robust, screen
 from workbench.federation.client_step import wire_spec
 from workbench.federation.compatibility import check_compatible
@@ -173,7 +175,8 @@ class RoundResult:
         `comm/secagg_*`, `comm/clients_*`);
     client_time_sums: the clients' `time/*` metrics summed over them (totals, not means);
     secagg_costs: secure aggregation's mask streams and share bytes (`SecureAggregator.costs`);
-    latency_s: the round's simulated seconds (`SimulatedClock`), None without systems profiles.
+    latency_s: the round's simulated seconds (`SimulatedClock`), None without systems profiles;
+    screened_out: the clients the screen rejected for the first time this round (left out from now on).
     """
 
     round_index: int
@@ -192,6 +195,7 @@ class RoundResult:
     missing: dict[int, str] = field(default_factory=dict)
     rejoined: dict[int, bool] = field(default_factory=dict)
     latency_s: float | None = None
+    screened_out: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -203,15 +207,18 @@ class FitProtocol:
     federation: Federation
     privacy: FitPrivacy
     clock: SimulatedClock | None = None
+    #: the clients the screen has rejected in this fit, left out of every later round
+    rejected: set[int] = field(default_factory=set)
 
     @classmethod
     def start(cls, method: FederatedMethod, federation: Federation, population: int,
               clip_norm: float | None = None, clock: SimulatedClock | None = None,
-              in_process: bool = True, remote: bool = False) -> FitProtocol:
+              in_process: bool = True, remote: bool = False, rejected: Iterable[int] = ()) -> FitProtocol:
         """A fit's protocol over `population` clients with data, once `check` passes;
-        `clip_norm`: a resumed fit's adaptive clip norm. Refuses a fit over its privacy budget."""
+        `clip_norm`: a resumed fit's adaptive clip norm, `rejected`: the clients its screen had
+        rejected. Refuses a fit over its privacy budget."""
         cls.check(method, federation, population, clock.systems if clock is not None else None, in_process, remote)
-        return cls(federation, FitPrivacy(method, federation, population, clip_norm), clock)
+        return cls(federation, FitPrivacy(method, federation, population, clip_norm), clock, set(rejected))
 
     @staticmethod
     def check(method: FederatedMethod, federation: Federation, population: int, systems: Systems | None = None,
@@ -229,6 +236,12 @@ class FitProtocol:
         check_secure_aggregation(federation, method.num_clients, population)
         if systems is not None:
             check_systems(systems, federation, in_process)
+        asked = max(1, round(federation.sample_rate * population))
+        cohort = asked - round(federation.dropout * asked)
+        if federation.screens and cohort < 3:
+            warnings.warn(f"the screen checks each client's scale against the round's median client, and a round "
+                          f"here keeps about {max(cohort, 1)}: with fewer than 3 it sees invalid Grams only (raise "
+                          "federation.sample_rate)", stacklevel=2)
 
 
 def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtocol, available: Tensor) -> RoundResult:
@@ -305,14 +318,10 @@ def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtoc
     else:
         uploads = replies.uploads or {}
     replied, rejected = survivors, survivors[:0]
-    if federation.screens:  # each client's statistics checked; the rejected are dropped from the round
-        uploads, kept = screen.screen(uploads, method.uploads, federation.aggregation_threshold)
-        rejected, survivors = survivors[~kept.to(survivors.device)], survivors[kept.to(survivors.device)]
+    newly_rejected: list[int] = []
+    if federation.screens:  # each client's statistics checked; the rejected are dropped (from now on)
+        uploads, rejected, survivors, newly_rejected = _screen(uploads, method, protocol, survivors, round_index)
         lost = torch.sort(torch.cat([lost, rejected])).values
-        if len(survivors) == 0:
-            raise RuntimeError(f"round {round_index}: the screen rejected all {len(rejected)} clients' statistics "
-                               f"(federation.aggregation_threshold = {federation.aggregation_threshold}): see "
-                               "docs/robustness.md")
     if federation.robust:  # the model updates' robust center, times m, where the method expects their sum
         uploads = robust.aggregate(uploads, spec, federation.aggregation, federation.aggregation_trim,
                                    federation.aggregation_norm)
@@ -349,7 +358,39 @@ def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtoc
     return RoundResult(round_index, cohort, survivors, lost, uploads, metrics, bytes_up=replies.bytes_up,
                        bytes_down=bytes_down * (len(cohort) - replies.not_sent), client_s=replies.client_s,
                        server_s=server_s, secure_s=secure_s, client_time_sums=client_times, secagg_costs=costs,
-                       missing=dict(replies.missing), rejoined=rejoined, latency_s=latency_s)
+                       missing=dict(replies.missing), rejoined=rejoined, latency_s=latency_s,
+                       screened_out=newly_rejected)
+
+
+def _screen(uploads: dict[str, Tensor], method: FederatedMethod, protocol: FitProtocol, survivors: Tensor,
+            round_index: int) -> tuple[dict[str, Tensor], Tensor, Tensor, list[int]]:
+    """The screen's round (`workbench.federation.screen`): the uploads summed over the clients it
+    keeps, the rejected and the kept clients (sorted ids), and those rejected for the first time
+    (they join `protocol.rejected`)."""
+    threshold = protocol.federation.aggregation_threshold
+    barred = torch.isin(survivors.cpu(), torch.tensor(sorted(protocol.rejected), dtype=survivors.dtype))
+    uploads, decision = screen.screen(uploads, method.uploads, threshold, barred)
+    kept = decision.kept.to(survivors.device)
+    rejected = survivors[~kept]
+    newly = [client for client in rejected.tolist() if client not in protocol.rejected]
+    protocol.rejected.update(newly)
+    why = (f"{int(decision.invalid.sum())} sent a Gram that is not positive semidefinite, "
+           f"{int(decision.out_of_scale.sum())} one out of scale by more than τ = {threshold:g}, "
+           f"{int(decision.barred.sum())} were rejected before")
+    if not kept.any():
+        raise EveryClientRejected(f"round {round_index}: the screen rejected all {len(survivors)} of its clients "
+                                  f"({why}): no honest client left to sum — ask more clients a round "
+                                  "(federation.sample_rate), or raise federation.aggregation_threshold if honest "
+                                  "clients were out of scale")
+    if int(decision.out_of_scale.sum()) > len(survivors) / 2:
+        warnings.warn(f"round {round_index}: the screen found most of its clients out of scale ({why}); if they are "
+                      "honest, raise federation.aggregation_threshold", stacklevel=3)
+    return uploads, rejected, survivors[kept], newly
+
+
+class EveryClientRejected(RunOutcome):
+    """The screen rejected every client of a round: the fit cannot go on (an outcome of the
+    adversaries and the threshold, not a fault)."""
 
 
 def _calibrate(clock: SimulatedClock, transport: Transport, request: RoundRequest, cohort: Tensor,

@@ -227,6 +227,10 @@ class Federation:
         if self.aggregation != "mean" and self.secure_aggregation:
             raise ValueError(f"federation.aggregation={self.aggregation} needs each client's upload, and secure "
                              "aggregation shows the server only their sum: set one of them to its default")
+        if self.screens and self.dp_sigma > 0:
+            raise ValueError("federation.aggregation=screen keeps or rejects a client by its data, which "
+                             "dp_sigma's accounting (one row's effect on the sum) does not cover: set one of them to "
+                             "its default")
         if self.robust and self.client_level_dp:
             raise ValueError(f"federation.aggregation={self.aggregation} combines the updates one by one; "
                              "client-level DP noises their sum: set dp_clip=0, or aggregation=mean")
