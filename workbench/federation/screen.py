@@ -12,12 +12,13 @@ training rows (`codec.Upload(gram=True)`: XᵀX, FᵀF, a second moment, one blo
   eigenvalue s·λ_max, with λ_max ≥ tr S / d, outweighs the shift |s|·tr S / 10d;
 - **in scale**: its trace per training row, tr S / n (the rows' mean squared norm, plus what a
   method adds per client, e.g. AFL's γ·d / n), is within a factor τ (`aggregation_threshold`) of
-  the round's median over the valid clients: a client scaling its statistics by s ≥ τ fails.
+  the round's median over the valid clients not rejected before: a client scaling its statistics
+  by s ≥ τ fails.
 
 A client failing either is rejected: its uploads stay out of the sum and it counts as dropped
 from the round, so an analytic method's round is exactly the centralized solution on the clients
 kept (as under dropout); and it stays rejected for the rest of the fit (`barred`), also in rounds
-that send no Gram to check (AFL's γ scoring round). With no client rejected the result is the
+that send no Gram to check (AFL's γ scoring round, AnaPFL's λ round). With no client rejected the result is the
 plain sum of every client's statistics (summed here instead of on the way: equal up to the order
 of additions).
 
@@ -38,7 +39,7 @@ from torch import Tensor
 
 from workbench.federation import codec
 
-#: the protocol's upload under the screen: each client's count of training rows
+#: the protocol's upload under the screen: each client's count of rows (those it holds out included)
 ROWS = "training_rows"
 
 
