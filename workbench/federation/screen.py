@@ -68,16 +68,15 @@ class Decision:
 def decide(uploads: Mapping[str, Tensor], spec: codec.Spec, threshold: float, barred: Tensor) -> Decision:
     """The screen's decision on the round's clients, from their stacked uploads (one row each, in
     client order, `ROWS` among them), the method's upload `spec` and who is `barred` ((m,) bool)."""
-    rows = uploads[ROWS].reshape(-1).double()
+    rows, barred = uploads[ROWS].reshape(-1).double(), barred.cpu()
     valid = torch.ones(len(rows), dtype=torch.bool)
     energies = []
     for name in codec.gram_names(spec):
         if name not in uploads:  # (a round may send some of its method's uploads)
             continue
-        grams = uploads[name]
-        valid &= torch.tensor([valid_gram(gram) for gram in grams])
+        grams = uploads[name]  # (a barred client's is not factored: it stays out whatever it sends)
+        valid &= torch.tensor([bool(out) or valid_gram(gram) for gram, out in zip(grams, barred, strict=True)])
         energies.append(grams.diagonal(dim1=-2, dim2=-1).reshape(len(rows), -1).double().sum(1).cpu() / rows)
-    barred = barred.cpu()
     reference, in_scale = valid & ~barred, torch.ones_like(valid)
     for energy in energies:
         if reference.any():  # the median of the others' (of two middle values, their mean)
