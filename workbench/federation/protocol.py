@@ -53,6 +53,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from workbench.federation.robust import AGGREGATIONS
+
 # Independent random streams of one round, derived from (seed, round, stream). The pairwise masks
 # of secure aggregation derive theirs from (seed, round, client pair).
 DROPOUT_STREAM, NOISE_STREAM, SAMPLING_STREAM, ADVERSARY_STREAM, ATTACK_STREAM = 0, 1, 2, 3, 4
@@ -213,7 +215,7 @@ class Federation:
                              "dp_sigma and feature_clip (analytic methods)")
 
     def _check_aggregation(self) -> None:
-        if self.aggregation not in ("mean", "median", "trimmed_mean", "krum", "multi_krum", "norm_bound", "screen"):
+        if self.aggregation not in (*AGGREGATIONS, "screen"):
             raise ValueError(f"federation.aggregation must be mean, median, trimmed_mean, krum, multi_krum, "
                              f"norm_bound (model updates) or screen (statistics), got {self.aggregation!r}")
         if not 0 <= self.aggregation_trim < 0.5:
