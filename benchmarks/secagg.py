@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import fit_engine, load_average, machine_line, write_report
 from workbench.data import FederatedDataModule, SyntheticBlobs
 from workbench.federation import Federation, codec
-from workbench.federation.client_step import client_step, wire_spec
+from workbench.federation.client_step import client_step
 from workbench.federation.secure_aggregation import COUNTER_ZERO, secagg_plus_parameters, secure_aggregator
 from workbench.methods import AFL, Cohort, Problem
 
@@ -71,7 +71,7 @@ def client_costs(dm: FederatedDataModule, dropout: float, sample: int) -> dict[s
     masks under SecAgg+, in seconds, with the round's k and the words each client draws."""
     method = AFL(gamma=1.0, gamma_out=0.1)
     method.setup(Problem((dm.feature_dim,), dm.num_classes, dm.num_clients))
-    spec = wire_spec(method.uploads, False)
+    spec = method.uploads  # (AFL: its uploads travel as they are, summed)
     aggregator = secure_aggregator(federation("sparse", dropout), range(dm.num_clients), 0, codec.symmetric_names(spec))
     ends = torch.cumsum(torch.bincount(dm.train_client_ids, minlength=dm.num_clients), 0).tolist()
     times: dict[str, list[float]] = {"compute": [], "encode": [], "masks": [], "keystream": []}

@@ -47,6 +47,7 @@ from workbench.engines.flower_settings import FlowerSettings
 from workbench.engines.lightning import check_epoch_limit
 from workbench.engines.stopping import Stopping
 from workbench.federation import Federation
+from workbench.federation.stages import Stage
 from workbench.federation.systems import Systems
 from workbench.files import NoRoom, out_of_room, remove_orphaned_temporaries, replaced_atomically, write_text_atomically
 from workbench.methods import FederatedMethod
@@ -268,6 +269,7 @@ class WorkbenchCLI(LightningCLI):
                                      eval_every=self._get(self.config, "eval_every", default=1),
                                      stopping=self._get(self.config_init, "stopping"),
                                      systems=self._get(self.config_init, "systems"),
+                                     stages=self._get(self.config_init, "stages", default=[]),
                                      other_data=self._get(self.config, "other_data", default=False))
         if os.environ.get("LOCAL_RANK", "0") == "0":
             # the data first (partition, labels, features, the cache), then the method, protocol and
@@ -327,6 +329,10 @@ class WorkbenchCLI(LightningCLI):
                                  "every SuperNode), client_cpus (CPUs per ClientApp in a local simulation)")
         parser.add_argument("--federation", type=Federation, default=Federation(),
                             help="protocol settings: dropout, secure_aggregation, fixed_point_bits, dp_sigma, seed")
+        parser.add_argument("--stages", type=list[Stage], default=[],
+                            help="protocol stages of one's own, each a class_path (a Stage subclass, e.g. "
+                                 "workbench.federation.local_noise.LocalNoise) with init_args, placed after the "
+                                 "built-in stage it names (workbench.federation.stages)")
 
     def instantiate_trainer(self, **kwargs):
         config = self._get(self.config_init, "trainer", default={})

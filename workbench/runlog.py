@@ -166,7 +166,8 @@ def make_loggers(method, datamodule, *, run_dir: str, run_name: str | None, wand
 
 def log_hparams(trainer, engine, datamodule, engine_name: str = "lightning") -> None:
     """Logs the method's, the data's and the protocol's settings as `model.*`, `data.*`,
-    `federation.*`, with `engine`, the sweep's name and the run's folder; the folder gets
+    `federation.*` (and the protocol's stages in round order, `protocol`, with those of one's own,
+    `stages`), with `engine`, the sweep's name and the run's folder; the folder gets
     `wandb.json` (the W&B run's id, project, mode and files), so each names the other.
 
     Lightning would merge both into one flat dict and refuse keys they share with different
@@ -178,6 +179,8 @@ def log_hparams(trainer, engine, datamodule, engine_name: str = "lightning") -> 
     hparams = {"model": {"class": type(method).__name__, **plain(init_arguments(method))},  # groups as dicts
                "data": plain(init_arguments(datamodule)),
                "federation": plain(engine.federation),  # dropouts, secure aggregation, noise
+               "protocol": engine.pipeline.describe(),  # its stages in round order, stages of one's own included
+               "stages": engine.pipeline.identity(),
                "engine": engine_name, "processes": trainer.world_size,
                "sweep": sweep_name(),
                "run_folder": str(Path(log_dir).resolve()) if log_dir else None}
@@ -310,12 +313,14 @@ def print_summary(trainer, engine, checkpoint: Path | None = None,
         f"bytes up          {_megabytes(metrics.get('comm/bytes_up', 0))} in all, "
         f"{_megabytes(metrics.get('comm/bytes_up_per_client', 0))} per client",
         f"bytes down        {_megabytes(metrics.get('comm/bytes_down', 0))}",
-        *([f"protocol          {' → '.join(engine.federation.stages())}"] if engine.federation.stages() else []),
+        *([f"protocol          {' → '.join(stages)}"] if (stages := engine.pipeline.describe()) else []),
         *([f"screen            {int(metrics['screen/rejected_total'])} uploads rejected, from "
            f"{int(metrics['screen/clients_rejected'])} clients (each left out from its first rejection on)"]
           if "screen/rejected_total" in metrics else []),
         *([f"privacy           ε = {metrics['privacy/epsilon']:.3g} at δ = {engine.federation.dp_delta:g}"]
           if "privacy/epsilon" in metrics else []),
+        *([f"local privacy     ε = {metrics['privacy/local_epsilon']:.3g} at δ = {engine.federation.dp_delta:g} for "
+           "each client's own uploads (against the server too)"] if "privacy/local_epsilon" in metrics else []),
         f"time              fit {metrics.get('time/fit_s', float('nan')):.2f} s "
         f"(clients {metrics.get('time/client_s', float('nan')):.2f} s, "
         f"server {metrics.get('time/server_s', float('nan')):.2f} s, "

@@ -33,14 +33,15 @@ class OneByOneClients:
     """A transport that runs every client alone, each with a client half of its own made by a
     fresh copy of the method (built from its init arguments: no learned state)."""
 
-    def __init__(self, method, dm) -> None:
+    def __init__(self, method, dm, federation: Federation) -> None:
         self.method, self.nodes = method, {}
         for k in torch.unique(dm.train_client_ids).tolist():
             fresh = type(method)(**{key: value for key, value in method.hparams_initial.items()})
             fresh.setup(method.problem)
             mine = dm.train_client_ids == k
             self.nodes[k] = LocalClients(fresh, dm.train_features[mine], dm.train_labels[mine],
-                                         dm.train_client_ids[mine], torch.tensor([k]), dm.hparams.batch_size)
+                                         dm.train_client_ids[mine], torch.tensor([k]), dm.hparams.batch_size,
+                                         federation)
 
     def update(self, request: RoundRequest) -> Replies:
         total, parts = Replies(), []
@@ -89,7 +90,7 @@ def fit(name: str, federation: Federation | None = None, one_by_one: bool = Fals
         from workbench.methods.base import Problem
 
         method.setup(Problem.of(dm))
-        clients = OneByOneClients(method, dm)
+        clients = OneByOneClients(method, dm, federation)
     engine = LightningEngine(method, federation, clients=clients)
     trainer = quiet_trainer()
     trainer.fit(engine, datamodule=dm)

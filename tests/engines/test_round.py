@@ -20,11 +20,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def plain_fit(method, dm, federation: Federation):
     """Every round by `run_round`, then `run_final`: (the results, the final result)."""
-    method.federation = federation
     method.setup(Problem.of(dm))
     available = torch.unique(dm.train_client_ids)
     clients = LocalClients(method, dm.train_features, dm.train_labels, dm.train_client_ids, available,
-                           dm.hparams.batch_size)
+                           dm.hparams.batch_size, federation)
     protocol = FitProtocol.start(method, federation, len(available))
     results = [run_round(method, clients, protocol, available) for _ in range(method.num_rounds)]
     return results, run_final(method, clients)

@@ -63,8 +63,7 @@ def test_dropouts_are_a_seeded_fraction_drawn_anew_each_round():
 def test_dropped_clients_uploads_never_reach_the_server(fit_method):
     dm = data()
     method = RecordingAFL(gamma=2.0)
-    method.federation = Federation(dropout=0.3, seed=3)
-    engine = fit_method(method, dm)
+    engine = fit_method(method, dm, Federation(dropout=0.3, seed=3))
     dropped = method.federation.dropped_clients(0, 10).nonzero().squeeze(1).tolist()
     survivors = [k for k in range(10) if k not in dropped]
     received, num_clients = method.received
@@ -84,8 +83,7 @@ def test_dropped_clients_uploads_never_reach_the_server(fit_method):
 def test_afl_with_dropouts_is_the_centralized_ridge_on_the_participants(fit_method, partition, gamma_out):
     dm = data(num_clients=20, **partition)
     method = AFL(gamma=2.0, gamma_out=gamma_out)
-    method.federation = Federation(dropout=0.4, seed=5)
-    fit_method(method, dm)
+    fit_method(method, dm, Federation(dropout=0.4, seed=5))
     took_part = ~method.federation.dropped_clients(0, 20)[dm.train_client_ids]
     expected = ridge(dm.train_features[took_part], dm.train_labels[took_part], dm.num_classes, gamma_out)
     assert relative_error(method.weight, expected) <= 1e-8
@@ -95,8 +93,7 @@ def test_afl_with_dropouts_is_the_centralized_ridge_on_the_participants(fit_meth
 def test_late_clients_join_a_finished_model_exactly(fit_method):
     dm = data()
     late = AFL(gamma=1.0, gamma_out=0.1)
-    late.federation = Federation(dropout=0.3, seed=8)
-    fit_method(late, dm)
+    fit_method(late, dm, Federation(dropout=0.3, seed=8))
     dropped = late.federation.dropped_clients(0, 10).nonzero().squeeze(1).tolist()
     late.add_clients(uploads_of(late, dm, dropped), num_clients=len(dropped))
     everyone = AFL(gamma=1.0, gamma_out=0.1)
@@ -139,8 +136,7 @@ def test_adding_or_removing_clients_checks_its_input(fit_method):
 def test_deepafl_continues_with_whoever_uploads(fit_method):
     dm = data()
     method = DeepAFL(num_layers=2, hidden_dim=16, block_dim=16, schedule="two_round")
-    method.federation = Federation(dropout=0.3, seed=1)
-    engine = fit_method(method, dm)
+    engine = fit_method(method, dm, Federation(dropout=0.3, seed=1))
     assert method.round == 5 and len(method.depth_accuracy) == 3
     assert torch.isfinite(method.classifier).all()
     # W_t (round 2t) is the ridge on Φ_t of that round's participants, Φ_t of every sample current
@@ -163,8 +159,7 @@ def test_fedavg_continues_and_averages_only_the_updates_that_arrive(fit_method):
             return super().server_update(uploads, num_clients)
 
     method = RecordingFedAvg(num_rounds=4, architecture="linear", local=LocalTraining(lr=0.1))
-    method.federation = Federation(dropout=0.3, seed=2)
-    engine = fit_method(method, dm)
+    engine = fit_method(method, dm, Federation(dropout=0.3, seed=2))
     assert method.round == 4 and averaged_over == [10 - 3] * 4
     assert engine.fit_metrics["comm/clients_in_round"] == 10 - 3
     assert engine.fit_metrics["comm/clients_dropped"] == 3
@@ -173,9 +168,8 @@ def test_fedavg_continues_and_averages_only_the_updates_that_arrive(fit_method):
 
 def test_every_client_dropping_out_is_a_clear_error(fit_method):
     method = AFL()
-    method.federation = Federation(dropout=0.75)  # round(0.75 · 2) = 2 of 2 clients
     with pytest.raises(RuntimeError, match=r"every client dropped out.*lower the dropout"):
-        fit_method(method, data(num_clients=2, partition="iid"))
+        fit_method(method, data(num_clients=2, partition="iid"), Federation(dropout=0.75))  # 2 of 2 drop
 
 
 def test_bad_settings_name_the_fix():

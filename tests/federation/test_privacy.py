@@ -53,8 +53,7 @@ def test_noise_is_seeded_per_round_and_integers_stay_integers():
 def test_the_server_solves_the_noisy_statistics(fit_method):
     dm, sigma = data(), 3.0
     method = AFL(gamma=1.0, gamma_out=safe_ridge(sigma, BLOBS.dim))
-    method.federation = Federation(dp_sigma=sigma, seed=7)
-    fit_method(method, dm)
+    fit_method(method, dm, Federation(dp_sigma=sigma, seed=7))
     x = dm.train_features.double()
     exact = {"gram": x.T @ x, "cross": class_sums(x, dm.train_labels, dm.num_classes)}
     expected = add_gaussian_noise({name: torch.zeros_like(value) for name, value in exact.items()}, sigma,
@@ -71,12 +70,10 @@ def test_the_server_solves_the_noisy_statistics(fit_method):
 def test_an_indefinite_noisy_gram_names_the_ridge_that_fixes_it(fit_method):
     dm, sigma = data(), 1e4  # far above the data's eigenvalues (≈ 1e3)
     method = AFL(gamma=1.0, gamma_out=0.0)
-    method.federation = Federation(dp_sigma=sigma)
     with pytest.raises(ValueError, match=r"indefinite.*gamma_out ≥ 1\.6e\+05"):
-        fit_method(method, dm)
+        fit_method(method, dm, Federation(dp_sigma=sigma))
     method = AFL(gamma=1.0, gamma_out=safe_ridge(sigma, BLOBS.dim))
-    method.federation = Federation(dp_sigma=sigma)
-    fit_method(method, dm)
+    fit_method(method, dm, Federation(dp_sigma=sigma))
     assert torch.isfinite(method.weight).all()
 
 
@@ -93,8 +90,7 @@ def test_small_noise_keeps_the_accuracy_and_large_noise_costs_some(fit_method):
     accuracy = {}
     for sigma in (0.0, 1e-3, 300.0):
         method = AFL(gamma=1.0, gamma_out=max(1.0, safe_ridge(sigma, BLOBS.dim)))
-        method.federation = Federation(dp_sigma=sigma)
-        fit_method(method, dm)
+        fit_method(method, dm, Federation(dp_sigma=sigma))
         accuracy[sigma] = float((method(dm.test_features).argmax(1) == dm.test_labels).double().mean())
     assert accuracy[1e-3] == accuracy[0.0] > 0.9
     assert accuracy[300.0] < accuracy[0.0]
@@ -116,6 +112,5 @@ def test_per_client_uploads_cannot_be_noised(fit_method):
     from workbench.methods import OSFED
 
     method = OSFED(num_rounds=1, architecture="linear")
-    method.federation = Federation(dp_sigma=1.0)
     with pytest.raises(ValueError, match="dp_sigma=0"):
-        fit_method(method, data())
+        fit_method(method, data(), Federation(dp_sigma=1.0))

@@ -12,6 +12,7 @@ from tests.federation.test_systems import data
 from workbench.federation import Federation
 from workbench.federation.client_step import client_step
 from workbench.federation.robust import center
+from workbench.federation.stages import Pipeline
 from workbench.methods import AFL, FedAvg, Problem
 from workbench.methods.base import Cohort
 
@@ -38,14 +39,13 @@ def test_a_rounds_aggregate_is_m_times_the_center_of_the_clients_own_updates():
     federation = Federation(aggregation="median")
     result = one_round(FedAvg(num_rounds=1, architecture="linear", seed=0), dm, federation)
     method = FedAvg(num_rounds=1, architecture="linear", seed=0)
-    method.federation = federation
     method.setup(Problem.of(dm))
     half, clients = method.client_half(), torch.arange(7)
     half.setup_clients(clients, len(dm.train_labels))
     rows_at = torch.arange(len(dm.train_labels))
     cohort = Cohort(dm.train_features, dm.train_labels, dm.train_client_ids, clients, rows_at)
     broadcast = method.plan_round(clients).broadcast
-    rows = client_step(half, method.uploads, 0, broadcast, cohort, aggregation="median").uploads
+    rows = client_step(half, method.uploads, 0, broadcast, cohort, pipeline=Pipeline.of(federation)).uploads
     assert rows["update"].shape[0] == 7  # one row per client on the wire
     assert torch.allclose(result.uploads["update"], 7 * rows["update"].median(0).values, rtol=1e-6, atol=1e-7)
     plain = one_round(FedAvg(num_rounds=1, architecture="linear", seed=0), dm, Federation())

@@ -11,9 +11,10 @@ from tests.engines.conformance import comparable_state
 from tests.federation.test_adversaries import one_round, statistics
 from tests.federation.test_systems import data, rounds
 from workbench.engines.local import LocalClients
-from workbench.engines.round import EveryClientRejected, FitProtocol, run_round
+from workbench.engines.round import FitProtocol, run_round
 from workbench.federation import Federation
 from workbench.federation.screen import ROWS, decide, valid_gram
+from workbench.federation.stages import EveryClientRejected
 from workbench.methods import AFL, GHOFL, AnaPFL, DeepAFL, FedAvg, FedNCM, Problem
 from workbench.methods.base import GRAM, SUMMED
 
@@ -112,10 +113,9 @@ def test_a_rejected_client_stays_out_of_the_rounds_that_send_no_gram(method):
 def test_a_resumed_fit_keeps_its_rejected_clients_out():
     dm = data(6)
     method = AFL(gamma=1.0)
-    method.federation = SCREEN
     method.setup(Problem.of(dm))
     available = torch.unique(dm.train_client_ids)
-    clients = LocalClients(method, dm.train_features, dm.train_labels, dm.train_client_ids, available, 64)
+    clients = LocalClients(method, dm.train_features, dm.train_labels, dm.train_client_ids, available, 64, SCREEN)
     protocol = FitProtocol.start(method, SCREEN, len(available), rejected=[1, 4])
     result = run_round(method, clients, protocol, available)
     assert result.survivors.tolist() == [0, 2, 3, 5] and result.screened_out == []

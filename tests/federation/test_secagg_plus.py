@@ -275,12 +275,11 @@ def data(num_clients: int = 14) -> FederatedDataModule:
 def test_afl_under_secagg_plus_with_dropouts_gives_the_plain_model_and_logs_its_costs(fit_method):
     dm, protocol = data(), {"dropout": 0.2, "seed": 4}
     plain, masked, pairs = AFL(gamma=1.0, gamma_out=0.1), AFL(gamma=1.0, gamma_out=0.1), AFL(gamma=1.0, gamma_out=0.1)
-    plain.federation = Federation(**protocol)
-    masked.federation = Federation(**protocol, secure_aggregation=True, secure_aggregation_graph="sparse",
-                                   secagg_degree=4, secagg_threshold=2)
-    pairs.federation = Federation(**protocol, secure_aggregation=True)
-    fit_method(plain, dm)
-    metrics, complete = fit_method(masked, dm).fit_metrics, fit_method(pairs, dm).fit_metrics
+    sparse = Federation(**protocol, secure_aggregation=True, secure_aggregation_graph="sparse", secagg_degree=4,
+                        secagg_threshold=2)
+    fit_method(plain, dm, Federation(**protocol))
+    metrics = fit_method(masked, dm, sparse).fit_metrics
+    complete = fit_method(pairs, dm, Federation(**protocol, secure_aggregation=True)).fit_metrics
     assert relative_error(masked.weight, plain.weight) <= 1e-8
     survivors, k = metrics["comm/clients_in_round"], 4
     assert survivors == 11 and metrics["comm/secagg_degree"] == k and metrics["comm/secagg_threshold"] == 2
@@ -295,10 +294,9 @@ def test_fedavg_rounds_under_secagg_plus_give_the_plain_model(fit_method):
     weights = []
     for graph in (None, "sparse"):
         method = FedAvg(num_rounds=2, architecture="linear", sample_fraction=0.75, seed=1, local=LocalTraining(lr=0.1))
-        method.federation = (Federation(dropout=0.2, seed=4) if graph is None else Federation(
+        fit_method(method, data(), Federation(dropout=0.2, seed=4) if graph is None else Federation(
             dropout=0.2, seed=4, secure_aggregation=True, secure_aggregation_graph=graph, secagg_degree=6,
             secagg_threshold=3))
-        fit_method(method, data())
         weights.append(method.flat_parameters())
     assert relative_error(weights[1], weights[0]) <= 1e-6
 

@@ -95,9 +95,8 @@ def test_dropped_clients_masks_are_removed_from_the_survivors_sum():
 def test_a_masked_fit_gives_the_unmasked_model(fit_method, dropout):
     dm = data()
     plain, masked = AFL(gamma=1.0, gamma_out=0.1), AFL(gamma=1.0, gamma_out=0.1)
-    plain.federation = Federation(dropout=dropout, seed=2)
-    masked.federation = Federation(dropout=dropout, seed=2, secure_aggregation=True)
-    plain_run, masked_run = fit_method(plain, dm), fit_method(masked, dm)
+    plain_run = fit_method(plain, dm, Federation(dropout=dropout, seed=2))
+    masked_run = fit_method(masked, dm, Federation(dropout=dropout, seed=2, secure_aggregation=True))
     assert relative_error(masked.weight, plain.weight) <= 1e-8
     assert relative_error(masked(dm.test_features), plain(dm.test_features)) <= 1e-8
     assert masked_run.fit_metrics["comm/clients_in_round"] == plain_run.fit_metrics["comm/clients_in_round"]
@@ -112,8 +111,7 @@ def test_gradient_updates_under_secure_aggregation_give_the_plain_model(fit_meth
     weights = []
     for secure in (False, True):
         method = FedAvg(num_rounds=3, architecture="linear", sample_fraction=0.5, seed=1, local=LocalTraining(lr=0.1))
-        method.federation = Federation(secure_aggregation=secure, dropout=0.25, seed=4)
-        fit_method(method, dm)
+        fit_method(method, dm, Federation(secure_aggregation=secure, dropout=0.25, seed=4))
         weights.append(method.flat_parameters())
     assert relative_error(weights[1], weights[0]) <= 1e-6
 
@@ -123,8 +121,7 @@ def test_a_multi_round_method_under_secure_aggregation(fit_method):
     models = []
     for secure in (False, True):
         method = DeepAFL(num_layers=2, hidden_dim=16, block_dim=16)
-        method.federation = Federation(secure_aggregation=secure)
-        fit_method(method, dm)
+        fit_method(method, dm, Federation(secure_aggregation=secure))
         models.append(method.classifier[-1])
     assert relative_error(models[1], models[0]) <= 1e-8
 
@@ -138,6 +135,5 @@ def test_an_upload_too_large_for_the_ring_names_the_fix():
 
 def test_methods_without_per_client_sums_are_refused(fit_method):
     method = OSFED(num_rounds=1, architecture="linear")  # its snapshots are stacked, never summed
-    method.federation = Federation(secure_aggregation=True)
     with pytest.raises(ValueError, match="secure_aggregation=false"):
-        fit_method(method, data())
+        fit_method(method, data(), Federation(secure_aggregation=True))

@@ -34,11 +34,10 @@ def rounds(method, dm, systems: Systems | None, federation: Federation | None = 
     """`count` rounds of `method` by `run_round` under `federation` and `systems` (None: no
     clock): (results, clock)."""
     federation = federation or Federation()
-    method.federation = federation
     method.setup(Problem.of(dm))
     available = torch.unique(dm.train_client_ids)
     clients = LocalClients(method, dm.train_features, dm.train_labels, dm.train_client_ids, available,
-                           dm.hparams.batch_size)
+                           dm.hparams.batch_size, federation)
     rows = torch.bincount(dm.train_client_ids, minlength=method.num_clients)
     clock = SimulatedClock(systems, rows) if systems is not None else None
     protocol = FitProtocol.start(method, federation, len(available), clock=clock)

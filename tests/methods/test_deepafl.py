@@ -13,7 +13,7 @@ from workbench.cli import main
 from workbench.data import FederatedDataModule, SyntheticBlobs
 from workbench.engines import LightningEngine
 from workbench.engines.local import LocalClients
-from workbench.federation import Federation
+from workbench.federation import Federation, ProtocolView
 from workbench.federation.messages import SEED_BYTES, messages_bytes
 from workbench.federation.privacy import clip_features
 from workbench.linalg import add_gram_
@@ -260,10 +260,10 @@ def test_without_dropouts_the_fused_clients_send_no_restated_statistics():
     assert set(method.plan_round(clients).broadcast) == set()
     method.rounds_done += 1
     assert set(method.plan_round(clients).broadcast) == {"omega_left", "omega_right"}
-    method.federation = Federation(dropout=0.2)
+    method.run_under(ProtocolView(Federation(dropout=0.2)))
     method.rounds_done += 1
     assert method.restates and set(method.plan_round(clients).broadcast) == {"omega_left", "omega_right", "restate"}
-    method.federation = Federation(sample_rate=0.5)
+    method.run_under(ProtocolView(Federation(sample_rate=0.5)))
     assert method.restates
 
 
@@ -505,7 +505,7 @@ def test_one_cohort_call_is_the_sum_of_each_clients_own_call_in_every_round(sche
     alone, each on a client half of its own built from the settings only (as on a Flower node)."""
     dm = data(partition="dirichlet", alpha=0.5, num_clients=6)
     method = DeepAFL(num_layers=2, seed=3, schedule=schedule, **SMALL)
-    method.federation = Federation(dropout=dropout)
+    method.run_under(ProtocolView(Federation(dropout=dropout)))
     method.setup(Problem((dm.feature_dim,), dm.num_classes, dm.num_clients))
     together = local_clients(method, dm)
     alone = {}

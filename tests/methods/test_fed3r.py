@@ -181,12 +181,10 @@ def test_the_privacy_sensitivity_is_bounded_by_the_random_features_alone():
 def test_an_indefinite_noisy_gram_names_the_ridge_setting(fit_method):
     dm = data(partition="iid", num_clients=3)
     method = Fed3R(ridge=1e-6)
-    method.federation = Federation(dp_sigma=1e4)
     with pytest.raises(ValueError, match=r"Fed3R's aggregated Gram matrix is indefinite.*model\.ridge ≥"):
-        fit_method(method, dm)
+        fit_method(method, dm, Federation(dp_sigma=1e4))
     method = Fed3R(ridge=safe_ridge(1e4, BLOBS.dim + 1))
-    method.federation = Federation(dp_sigma=1e4)
-    fit_method(method, dm)
+    fit_method(method, dm, Federation(dp_sigma=1e4))
     assert torch.isfinite(method.weight).all()
 
 

@@ -41,7 +41,7 @@ import math
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, cast, runtime_checkable
 
@@ -58,6 +58,7 @@ from workbench.engines.round import FitProtocol, Rejoins, RoundResult, Transport
 from workbench.engines.stopping import Stopping
 from workbench.federation import Federation
 from workbench.federation.privacy import clip_features
+from workbench.federation.stages import Pipeline, Stage
 from workbench.federation.systems import SimulatedClock, Systems
 from workbench.methods.base import FederatedMethod, Problem
 from workbench.runlog import save_client_events, save_per_client_table
@@ -94,7 +95,9 @@ class LightningEngine(LightningModule):
 
     Args:
         method: the server half (a `FederatedMethod`); its client half is built from it.
-        federation: the protocol (dropouts, secure aggregation, noise); default `method.federation`.
+        federation: the protocol (dropouts, secure aggregation, noise: `workbench.federation.stages`);
+            default none of its parts. The method gets its read-only view (`ProtocolView`) when the
+            fit is checked.
         clients: who runs the client halves; default the clients of this process
             (`LocalClients`); the Flower engine passes its SuperNodes.
         eval_every: the learning curve: every `eval_every` rounds (and after the last) the global
@@ -111,11 +114,14 @@ class LightningEngine(LightningModule):
         systems: the clients' device and network profiles (`workbench.federation.systems`): a
             simulated clock logs `latency/round_s` and `latency/total_s`, and a round deadline
             drops late clients as stragglers; default none.
+        stages: protocol stages of one's own (`workbench.federation.stages.Stage`; e.g. the
+            clients' local noise, `workbench.federation.local_noise.LocalNoise`), placed in the
+            federation's pipeline after the built-in stage each names; default none.
     """
 
     def __init__(self, method: FederatedMethod, federation: Federation | None = None,
                  clients: Transport | None = None, eval_every: int = 1, stopping: Stopping | None = None,
-                 other_data: bool = False, systems: Systems | None = None) -> None:
+                 other_data: bool = False, systems: Systems | None = None, stages: Sequence[Stage] = ()) -> None:
         super().__init__()
         # A Trainer without max_epochs is how to run the engine (it sets the limit from the rounds):
         # Lightning's notice that it chose 1000 epochs says nothing here (set here, not at import, so
@@ -125,8 +131,11 @@ class LightningEngine(LightningModule):
             raise TypeError(f"the engine runs a workbench FederatedMethod, got {type(method).__name__}")
         self.automatic_optimization = False
         self.method = method
-        if federation is not None:  # else the method's own (default: none of the protocol's parts)
-            self.federation = federation
+        if not isinstance(federation, Federation | None):
+            raise TypeError(f"federation must be a workbench.federation.Federation, got {type(federation).__name__}")
+        self.federation = federation or Federation()  # the protocol it runs (default: none of its parts)
+        self.stages = tuple(stages)
+        self.pipeline = Pipeline.of(self.federation, self.stages)  # (a stage that is none, or misplaced, fails here)
         if not (isinstance(eval_every, int) and eval_every >= 0):
             raise ValueError(f"eval_every must be an integer ≥ 0 (rounds between two points of the learning curve; "
                              f"0: none), got {eval_every!r}")
@@ -159,16 +168,6 @@ class LightningEngine(LightningModule):
             raise RuntimeError("the engine's clients are set up with the data: call trainer.fit/test first")
         return self.clients
 
-    @property
-    def federation(self) -> Federation:
-        return self.method.federation
-
-    @federation.setter
-    def federation(self, protocol: Federation) -> None:
-        if not isinstance(protocol, Federation):
-            raise TypeError(f"federation must be a workbench.federation.Federation, got {type(protocol).__name__}")
-        self.method.federation = protocol  # methods read dp_sigma to explain a failed solve
-
     # ---- setup ----------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         data = self.data
@@ -185,7 +184,6 @@ class LightningEngine(LightningModule):
             self.val_acc = MulticlassAccuracy(problem.num_classes, average="micro")
             self.test_acc = MulticlassAccuracy(problem.num_classes, average="micro")
             self.clients = self.remote_clients or self._local_clients(data)
-            self.method.clients_may_go_missing = isinstance(self.clients, Rejoins)
             local = self.clients.local if isinstance(self.clients, ddp.ProcessClients) else self.clients
             if isinstance(local, LocalClients):
                 self.client_half = local.half  # a submodule: checkpoints keep the clients' state
@@ -207,7 +205,7 @@ class LightningEngine(LightningModule):
         if fitting:
             FitProtocol.check(self.method, self.federation, len(torch.unique(data.train_client_ids)),
                               self.systems if self.systems.active else None, in_process=self.remote_clients is None,
-                              remote=self.remote_clients is not None)
+                              remote=self.remote_clients is not None, stages=self.stages)
             self._check_stopping(data)
             self.method.check_data(data)
 
@@ -225,7 +223,8 @@ class LightningEngine(LightningModule):
         client_ids = data.train_client_ids[rows]
         local = LocalClients(self.method, data.train_features[rows].to(self.device),
                              data.train_labels[rows].to(self.device), client_ids.to(self.device),
-                             torch.unique(client_ids).to(self.device), data.hparams.batch_size)
+                             torch.unique(client_ids).to(self.device), data.hparams.batch_size, self.federation,
+                             self.stages)
         return ddp.ProcessClients(local, self.trainer.strategy) if self.trainer.world_size > 1 else local
 
     def _check_processes(self) -> None:
@@ -268,7 +267,8 @@ class LightningEngine(LightningModule):
                                           clip_norm=self._totals.pop("dp_clip_norm", None), clock=clock,
                                           in_process=self.remote_clients is None and self.trainer.world_size == 1,
                                           remote=self.remote_clients is not None,
-                                          rejected=[event[1] for event in self.client_events if event[2] == REJECTED])
+                                          rejected=[event[1] for event in self.client_events if event[2] == REJECTED],
+                                          stages=self.stages)
         self.curve = []
         self._stop = False
         self._check_stopping(self.data)
@@ -578,6 +578,7 @@ class LightningEngine(LightningModule):
                                                      "num_clients": problem.num_clients},
             "data": data.identity() if hasattr(data, "identity") else None,  # None: not a FederatedDataModule
             "federation": plain(self.federation),
+            "stages": self.pipeline.identity(),
         }
 
     def check_checkpoint_file(self, path: str | Path, data, *, resuming: bool, engine: str) -> None:
@@ -667,6 +668,8 @@ def check_checkpoint_matches(saved: dict, configured: dict, *, resuming: bool, o
         for key, value in configured["federation"].items():
             if saved["federation"].get(key, value) != value:
                 diffs.append(f"federation.{key}: checkpoint {saved['federation'][key]!r}, config {value!r}")
+    if resuming and saved.get("stages", []) != configured["stages"]:
+        diffs.append(f"stages: checkpoint {saved.get('stages', [])!r}, config {configured['stages']!r}")
     if diffs:
         other = " (--other_data=true loads it under other data settings on purpose)" if data_diffs else ""
         raise ValueError("the checkpoint does not match the config (" + "; ".join(diffs) + "): pass the "

@@ -7,23 +7,23 @@ must mask its own message, and under the screen (`workbench.federation.screen`) 
 statistics, so the clients run one by one. Dropped clients run too (their own
 state stays current, e.g. DeepAFL's Φ) but what they send is lost. Adversarial clients
 (`federation.adversary_fraction`) train on flipped labels, or run apart from the honest ones and
-poison what they send (`workbench.federation.adversaries`).
+poison what they send (the protocol's `Lie` stage, `workbench.federation.stages`).
 """
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from workbench.engines.round import Calibration, Replies, RoundRequest, add_metrics, layout_of
 from workbench.federation import codec
-from workbench.federation.adversaries import UPLOAD_ATTACKS, flip_labels, poison, segments
+from workbench.federation.adversaries import segments
 from workbench.federation.client_step import client_step
-from workbench.federation.privacy import clip_features
-from workbench.federation.protocol import ATTACK_STREAM
+from workbench.federation.protocol import ATTACK_STREAM, Federation
+from workbench.federation.stages import ClientRows, Clip, Lie, Pipeline, Stage
 from workbench.methods.base import ClientHalf, Cohort, FederatedMethod
 
 
@@ -31,26 +31,28 @@ class LocalClients:
     """The clients `served` (sorted ids), with their training rows, in this process (a `Transport`).
 
     features: (n, *input_shape), labels: (n,), client_ids: (n,) ordered by client: the rows of
-    the served clients only. The client half is `self.half` (a module the engine registers, so
-    checkpoints keep the clients' state).
+    the served clients only; `federation` and `stages` (of one's own): the protocol, whose client
+    hooks (`workbench.federation.stages`) run here. The client half is `self.half` (a module the engine
+    registers, so checkpoints keep the clients' state).
     """
 
     def __init__(self, method: FederatedMethod, features: Tensor, labels: Tensor, client_ids: Tensor,
-                 served: Tensor, batch_size: int) -> None:
+                 served: Tensor, batch_size: int, federation: Federation | None = None,
+                 stages: Sequence[Stage] = ()) -> None:
         self.method = method
+        self.federation = federation or Federation()
+        self.pipeline = Pipeline.of(self.federation, stages)  # its client hooks run here
+        rows = self.pipeline.client_rows(ClientRows(features, labels, client_ids, method.num_classes,
+                                                    method.num_clients))  # clipped rows, flipped labels
         self.half: ClientHalf = method.client_half()
-        self.half.setup_clients(served, len(labels))
-        clip = method.federation.feature_clip
-        if clip > 0:  # each client bounds its own rows, so the noise's sensitivity holds by construction
-            features = clip_features(features, clip)
-        federation = method.federation
-        self.adversarial = federation.adversaries(method.num_clients)  # (K,) bool, none by default
-        if federation.attack == "label_flip" and self.adversarial.any():  # their data is poisoned once
-            flipped = self.adversarial.to(client_ids.device)[client_ids]
-            labels = torch.where(flipped, flip_labels(labels, method.num_classes), labels)
-        positions = torch.arange(len(labels), device=labels.device)
-        self.data = Cohort(features, labels, client_ids, served, positions, batch_size)
-        counts = torch.bincount(client_ids, minlength=method.num_clients)
+        self.half.setup_clients(served, len(rows.labels))
+        lie = self.pipeline.get(Lie)
+        # (K,) bool: who poisons what it sends (none by default)
+        self.liars = (lie.adversaries(method.num_clients) if isinstance(lie, Lie) and lie.poisons_uploads
+                      else torch.zeros(method.num_clients, dtype=torch.bool))
+        positions = torch.arange(len(rows.labels), device=rows.labels.device)
+        self.data = Cohort(rows.features, rows.labels, rows.client_ids, served, positions, batch_size)
+        counts = torch.bincount(rows.client_ids, minlength=method.num_clients)
         self.ends = torch.cumsum(counts, 0)
         self.starts = self.ends - counts
 
@@ -70,10 +72,16 @@ class LocalClients:
                           data.sample_index[rows], data.batch_size)
         return self.data.of(clients)
 
-    def step(self, request: RoundRequest, clients: Tensor):
-        """The client step of `clients` (sorted ids this process serves) in `request`'s round."""
+    def step(self, request: RoundRequest, clients: Tensor, liars: bool = False,
+             attack_noise: torch.Generator | None = None):
+        """The client step of `clients` (sorted ids this process serves) in `request`'s round
+        (`liars`: they all lie, drawing their noise from `attack_noise`)."""
+        if request.clip_norm is not None and self.pipeline.get(Clip) is None:
+            raise ValueError("the round asks its clients to clip their updates (client-level DP), and these "
+                             "in-process clients were built without federation.dp_clip: build LocalClients with "
+                             "the fit's federation")
         return client_step(self.half, self.method.uploads, request.round_index, request.broadcast,
-                           self.cohort(clients), request.clip_norm, self.method.federation.aggregation)
+                           self.cohort(clients), request.clip_norm, self.pipeline, liars, attack_noise)
 
     def update(self, request: RoundRequest) -> Replies:
         """Runs the round on this process's survivors (whose uploads count) and lost clients
@@ -83,8 +91,8 @@ class LocalClients:
         mine = self._mine(request.survivors)
         if len(lost_here := self._mine(request.lost)):
             self.step(request, lost_here)
-        federation = self.method.federation
-        lying = federation.attack in UPLOAD_ATTACKS and bool(self.adversarial[mine.cpu()].any())
+        federation = self.federation
+        lying = bool(self.liars[mine.cpu()].any())
         attack_noise = federation.generator(request.round_index, ATTACK_STREAM) if lying else None
         if secure is None:
             if len(mine) and not lying and not federation.screens:  # the usual round: one vectorized step
@@ -93,24 +101,20 @@ class LocalClients:
                                                                           message.bytes_up)
             elif len(mine):  # honest and lying clients apart (the screened one by one), in client order
                 parts = []
-                runs = ([(client[None], lying and bool(self.adversarial[int(client)])) for client in mine]
-                        if federation.screens else segments(mine, self.adversarial))
+                runs = ([(client[None], bool(self.liars[int(client)])) for client in mine]
+                        if federation.screens else segments(mine, self.liars))
                 for run, adversarial in runs:
-                    message = self.step(request, run)
-                    parts.append(self._lie(message.uploads, request, len(run), attack_noise) if adversarial
-                                 else message.uploads)
+                    message = self.step(request, run, adversarial, attack_noise)
+                    parts.append(message.uploads)
                     add_metrics(replies.metric_sums, message.metrics)
                     replies.bytes_up += message.bytes_up
                 replies.uploads = codec.combine(parts, request.spec)
         else:
             for client in mine:
-                message = self.step(request, client[None])
-                uploads = message.uploads
-                if lying and bool(self.adversarial[int(client)]):
-                    uploads = self._lie(uploads, request, 1, attack_noise)
-                secure.add(int(client), uploads)
+                message = self.step(request, client[None], bool(self.liars[int(client)]), attack_noise)
+                secure.add(int(client), message.uploads)
                 add_metrics(replies.metric_sums, message.metrics)
-                replies.layout = replies.layout or layout_of(uploads)
+                replies.layout = replies.layout or layout_of(message.uploads)
                 replies.bytes_up += secure.bytes_per_client
             replies.masked = secure.total
         replies.client_s = time.perf_counter() - start
@@ -128,19 +132,12 @@ class LocalClients:
             half.setup_clients(self.served, len(self.data.labels))
             start = time.perf_counter()
             message = client_step(half, self.method.uploads, request.round_index, request.broadcast,
-                                  self.cohort(clients), request.clip_norm, self.method.federation.aggregation)
+                                  self.cohort(clients), request.clip_norm, self.pipeline)
             if attempt:  # the first one warms up
                 seconds = min(seconds, time.perf_counter() - start)
         assert message is not None
         return Calibration(layout_of(message.uploads), message.bytes_up, seconds,
                            int(self.ends[client] - self.starts[client]))
-
-    def _lie(self, uploads: Mapping[str, Tensor], request: RoundRequest, count: int,
-             generator: torch.Generator | None) -> dict[str, Tensor]:
-        """What `count` adversaries computed together, as they send it (`adversaries.poison`)."""
-        federation = self.method.federation
-        assert generator is not None
-        return poison(uploads, request.spec, federation.attack, federation.attack_scale, count, generator)
 
     def _mine(self, clients: Tensor) -> Tensor:
         return clients[torch.isin(clients, self.served.to(clients.device))]

@@ -6,10 +6,12 @@
    on a new node (a restarted SuperNode) they start afresh, on their own node they missed the
    broadcasts of the rounds they were away: the method forgets what it assumed they hold
    (`FederatedMethod.forget_clients`), so what they need comes again;
+The protocol around the method is the fit's pipeline of stages (`workbench.federation.stages`,
+`FitProtocol.pipeline`): its server hooks run here, its client hooks in the clients' step.
+
 1. **plan**: the server half plans round t on the protocol's cohort of the `available` clients
-   (`Federation.sampled_clients`, then `FederatedMethod.plan_round`): who takes part, and the
-   broadcast;
-2. **drop**: the protocol's dropouts of the round (`Federation.dropped_clients`): those clients
+   (`Pipeline.cohort`, then `FederatedMethod.plan_round`): who takes part, and the broadcast;
+2. **drop**: the protocol's dropouts of the round (`Pipeline.lost`): those clients
    get the broadcast and compute, but their uploads never arrive; with systems profiles
    (`workbench.federation.systems`), so do the stragglers a deadline or over-selection leaves out;
 3. **mask**: under secure aggregation, the round's `SecureAggregator` over the cohort;
@@ -17,10 +19,10 @@
    several processes, over Flower) and returns what reached the server from the survivors; a
    remote transport may name survivors whose replies never came (`Replies.missing`: a node that
    died or missed the round's deadline), which then count as dropped;
-5. **combine**: the exact sum unmasked; under the screen each client's statistics checked and
-   the rejected dropped from the round (`workbench.federation.screen`); a robust center of the
-   model updates (`workbench.federation.robust`); the server's noise added (`FitPrivacy`),
-   checked finite, and the server half's update (`FederatedMethod.finish_round`);
+5. **combine**: the exact sum unmasked; then the stages' `combine` hooks in order (under the
+   screen each client's statistics checked and the rejected dropped from the round, or a robust
+   center of the model updates; the server's noise; stages of one's own), the aggregate checked
+   finite, and the server half's update (`FederatedMethod.finish_round`);
 6. **count**: bytes up as each client's message costs on the wire (`codec`, secure aggregation's
    ring elements), bytes down as the broadcast (and client-level DP's clip norm) to every client of
    the cohort; the clients' and the server's seconds; with systems profiles, the round's simulated
@@ -34,24 +36,18 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
-from workbench.console import RunOutcome
-from workbench.federation import Federation, codec, messages_bytes, robust, screen
-from workbench.federation.client_step import wire_spec
-from workbench.federation.compatibility import check_compatible
+from workbench.federation import Federation, codec, messages_bytes
 from workbench.federation.privacy import CLIP_NORM_BYTES, FitPrivacy
-from workbench.federation.secure_aggregation import (
-    SecureAggregator,
-    UploadLayout,
-    check_secure_aggregation,
-    secure_aggregator,
-)
+from workbench.federation.protocol import ProtocolView
+from workbench.federation.secure_aggregation import SecureAggregator, UploadLayout, secure_aggregator
+from workbench.federation.stages import Incoming, Pipeline, Setting, Stage
 from workbench.federation.systems import EveryClientLate, SimulatedClock, Systems, check_systems
 from workbench.methods.base import FederatedMethod, Metrics
 
@@ -63,7 +59,7 @@ class RoundRequest:
     round_index: t; broadcast: the method's message to every client of the cohort;
     survivors, lost: (m,) sorted ids: the clients whose uploads count, and those that compute but
         whose uploads never arrive (dropped);
-    spec: the uploads on the wire (the method's, and the protocol's: `client_step.wire_spec`);
+    spec: the uploads on the wire (the method's, and the protocol's: `Pipeline.wire`);
     secure: the round's secure aggregation (each client masks its own message), or None;
     clip_norm: client-level DP's C (the clients clip their model updates to it), or None.
     """
@@ -200,12 +196,15 @@ class RoundResult:
 
 @dataclass
 class FitProtocol:
-    """The protocol of one fit: the federation's settings and what they keep across rounds
-    (client-level DP's clip norm, the ε accounting: `FitPrivacy`; the simulated clock, if the
-    clients have systems profiles: `SimulatedClock`)."""
+    """The protocol of one fit: the federation's settings as a pipeline of stages
+    (`workbench.federation.stages`), what it was checked against (`setting`), and what it keeps
+    across rounds (client-level DP's clip norm, the ε accounting: `FitPrivacy`; the simulated
+    clock, if the clients have systems profiles: `SimulatedClock`; the clients the screen rejected)."""
 
     federation: Federation
     privacy: FitPrivacy
+    pipeline: Pipeline
+    setting: Setting
     clock: SimulatedClock | None = None
     #: the clients the screen has rejected in this fit, left out of every later round
     rejected: set[int] = field(default_factory=set)
@@ -213,27 +212,36 @@ class FitProtocol:
     @classmethod
     def start(cls, method: FederatedMethod, federation: Federation, population: int,
               clip_norm: float | None = None, clock: SimulatedClock | None = None,
-              in_process: bool = True, remote: bool = False, rejected: Iterable[int] = ()) -> FitProtocol:
-        """A fit's protocol over `population` clients with data, once `check` passes;
-        `clip_norm`: a resumed fit's adaptive clip norm, `rejected`: the clients its screen had
-        rejected. Refuses a fit over its privacy budget."""
-        cls.check(method, federation, population, clock.systems if clock is not None else None, in_process, remote)
-        return cls(federation, FitPrivacy(method, federation, population, clip_norm), clock, set(rejected))
+              in_process: bool = True, remote: bool = False, rejected: Iterable[int] = (),
+              stages: Sequence[Stage] = ()) -> FitProtocol:
+        """A fit's protocol over `population` clients with data, with the `stages` of one's own
+        (the config's `stages:`), once `check` passes; `clip_norm`: a resumed fit's adaptive clip
+        norm, `rejected`: the clients its screen had rejected. Refuses a fit over its privacy budget."""
+        pipeline, setting = cls.check(method, federation, population, clock.systems if clock is not None else None,
+                                      in_process, remote, stages)
+        return cls(federation, FitPrivacy(method, federation, population, clip_norm), pipeline, setting, clock,
+                   set(rejected))
 
     @staticmethod
     def check(method: FederatedMethod, federation: Federation, population: int, systems: Systems | None = None,
-              in_process: bool = True, remote: bool = False) -> None:
-        """Refuses, before any round, what `method` cannot run under `federation` over `population`
-        clients with data: the method's own refusals (`FederatedMethod.check_protocol`), the
-        protocol's against its uploads and where its clients run (`check_compatible`; `remote`: a
-        Flower transport), a SecAgg+ no round can unmask (`check_secure_aggregation`), systems
-        settings it cannot honour (`check_systems`; `in_process`: the clients' step runs in this
-        process). Tells the method whether who takes part varies beyond `federation`'s cohorts
-        (a deadline's stragglers, clients offline, the screen's rejections)."""
-        method.participation_varies = (systems is not None and systems.decides) or federation.screens
+              in_process: bool = True, remote: bool = False, stages: Sequence[Stage] = ()) -> tuple[Pipeline, Setting]:
+        """Refuses, before any round, what `method` cannot run under `federation` and `stages` over
+        `population` clients with data, its clients in this process (`in_process`) or on remote
+        nodes running code of their own (`remote`: a Flower transport): the method's own refusals
+        (`FederatedMethod.check_protocol`), every stage's of the protocol's pipeline
+        (`Pipeline.check`: against the method's uploads, K, the population, where the clients run),
+        systems settings it cannot honour (`check_systems`). Gives the method its read-only view of
+        the protocol (`ProtocolView`): who takes part may vary beyond `federation`'s cohorts (a
+        deadline's stragglers, clients offline, the screen's rejections), clients on remote nodes
+        may go missing without notice. Returns the pipeline and what it was checked against."""
+        pipeline = Pipeline.of(federation, stages)
+        method.run_under(ProtocolView(federation, (systems is not None and systems.decides) or federation.screens,
+                                      clients_may_go_missing=remote,
+                                      statistics_noise=pipeline.statistics_noise(population)))
         method.check_protocol(federation)
-        check_compatible(federation, method.uploads, type(method).__name__, remote)
-        check_secure_aggregation(federation, method.num_clients, population)
+        setting = Setting(type(method).__name__, method.uploads, method.num_clients, population, federation,
+                          method.statistics_sensitivity(federation.feature_clip), remote)
+        pipeline.check(setting)
         if systems is not None:
             check_systems(systems, federation, in_process)
         asked = max(1, round(federation.sample_rate * population))
@@ -242,26 +250,27 @@ class FitProtocol:
             warnings.warn(f"the screen checks each client's scale against the round's median client, and a round "
                           f"here keeps about {max(cohort, 1)}: with fewer than 3 it sees invalid Grams only (raise "
                           "federation.sample_rate)", stacklevel=2)
+        return pipeline, setting
 
 
 def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtocol, available: Tensor) -> RoundResult:
     """Round `method.round` of `method` over `transport` under `protocol`, among the `available`
     clients (sorted ids of the clients with data); the method ends the round updated and counted."""
-    federation, privacy, clock = protocol.federation, protocol.privacy, protocol.clock
+    federation, privacy, clock, pipeline = protocol.federation, protocol.privacy, protocol.clock, protocol.pipeline
     round_index = method.round
     start = time.perf_counter()
     rejoined = _rejoin(method, transport, available.device)
     if clock is not None:
         available = clock.online(round_index, available)
-    sampled = federation.sampled_clients(round_index, available)
+    sampled = pipeline.cohort(round_index, available)
     target = None
     if clock is not None and clock.systems.over_select > 0:  # ask more, keep the first `target` replies
         target, asked = len(sampled), clock.asked(len(sampled), len(available))
         sampled = replace(federation, sample_rate=asked / len(available)).sampled_clients(round_index, available)
     plan = method.plan_round(sampled)
     cohort = plan.clients.to(available.device)
-    dropped = federation.dropped_clients(round_index, method.num_clients).to(cohort.device)[cohort]
-    spec = wire_spec(method.uploads, privacy.clip_norm is not None, federation.aggregation)
+    dropped = pipeline.lost(round_index, cohort, method.num_clients)
+    spec = pipeline.wire(method.uploads)
     secure = (secure_aggregator(federation, cohort.tolist(), round_index, codec.symmetric_names(spec))
               if federation.secure_aggregation else None)
     request = RoundRequest(round_index, plan.broadcast, cohort[~dropped], cohort[dropped], spec, secure,
@@ -317,15 +326,12 @@ def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtoc
         secure_s = time.perf_counter() - start
     else:
         uploads = replies.uploads or {}
-    replied, rejected = survivors, survivors[:0]
-    newly_rejected: list[int] = []
-    if federation.screens:  # each client's statistics checked; the rejected are dropped (from now on)
-        uploads, rejected, survivors, newly_rejected = _screen(uploads, method, protocol, survivors, round_index)
+    replied = survivors
+    combined = pipeline.combine(Incoming(round_index, uploads, spec, method.uploads, survivors, privacy,
+                                         protocol.setting, protocol.rejected))  # screened or robust, then noised
+    uploads, survivors, rejected = combined.uploads, combined.survivors, combined.rejected
+    if rejected is not None:  # the screen's rejected are dropped (from now on)
         lost = torch.sort(torch.cat([lost, rejected])).values
-    if federation.robust:  # the model updates' robust center, times m, where the method expects their sum
-        uploads = robust.aggregate(uploads, spec, federation.aggregation, federation.aggregation_trim,
-                                   federation.aggregation_norm)
-    uploads, privacy_metrics = privacy.noised(uploads, round_index, codec.symmetric_names(spec))
     check_finite_uploads(uploads, round_index, type(method).__name__, survivors)
     server_metrics = method.finish_round(uploads, privacy.denominator(len(survivors)))
     server_s += time.perf_counter() - start - secure_s
@@ -335,13 +341,13 @@ def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtoc
     for name, value in replies.metric_sums.items():  # means over the clients that replied; times are totals
         (client_times if name.startswith("time/") else client_means)[name] = (
             value if name.startswith("time/") else value / len(replied))
-    attack = {"screen/rejected": float(len(rejected))} if federation.screens else {}
+    attack = {}
     if federation.adversary_fraction > 0:  # (the server is not told who lied: numbers for the run's reader)
         adversarial = federation.adversaries(method.num_clients)
         attack["attack/adversaries_in_round"] = float(adversarial[survivors.cpu()].sum())
-        if federation.screens:
+        if rejected is not None:
             attack["attack/adversaries_rejected"] = float(adversarial[rejected.cpu()].sum())
-    metrics = {**server_metrics, **client_means, **privacy_metrics, **attack,
+    metrics = {**server_metrics, **client_means, **combined.metrics, **attack,
                "comm/clients_in_round": float(len(survivors)), "comm/clients_dropped": float(len(lost)),
                "comm/clients_missing": float(len(replies.missing)), "comm/clients_rejoined": float(len(rejoined))}
     costs = {}
@@ -359,38 +365,7 @@ def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtoc
                        bytes_down=bytes_down * (len(cohort) - replies.not_sent), client_s=replies.client_s,
                        server_s=server_s, secure_s=secure_s, client_time_sums=client_times, secagg_costs=costs,
                        missing=dict(replies.missing), rejoined=rejoined, latency_s=latency_s,
-                       screened_out=newly_rejected)
-
-
-def _screen(uploads: dict[str, Tensor], method: FederatedMethod, protocol: FitProtocol, survivors: Tensor,
-            round_index: int) -> tuple[dict[str, Tensor], Tensor, Tensor, list[int]]:
-    """The screen's round (`workbench.federation.screen`): the uploads summed over the clients it
-    keeps, the rejected and the kept clients (sorted ids), and those rejected for the first time
-    (they join `protocol.rejected`)."""
-    threshold = protocol.federation.aggregation_threshold
-    barred = torch.isin(survivors.cpu(), torch.tensor(sorted(protocol.rejected), dtype=survivors.dtype))
-    uploads, decision = screen.screen(uploads, method.uploads, threshold, barred)
-    kept = decision.kept.to(survivors.device)
-    rejected = survivors[~kept]
-    newly = [client for client in rejected.tolist() if client not in protocol.rejected]
-    protocol.rejected.update(newly)
-    why = (f"{int(decision.invalid.sum())} sent a Gram that is not positive semidefinite, "
-           f"{int(decision.out_of_scale.sum())} one out of scale by more than τ = {threshold:g}, "
-           f"{int(decision.barred.sum())} were rejected before")
-    if not kept.any():
-        raise EveryClientRejected(f"round {round_index}: the screen rejected all {len(survivors)} of its clients "
-                                  f"({why}): no honest client left to sum — ask more clients a round "
-                                  "(federation.sample_rate), or raise federation.aggregation_threshold if honest "
-                                  "clients were out of scale")
-    if int(decision.out_of_scale.sum()) > len(survivors) / 2:
-        warnings.warn(f"round {round_index}: the screen found most of its clients out of scale ({why}); if they are "
-                      "honest, raise federation.aggregation_threshold", stacklevel=3)
-    return uploads, rejected, survivors[kept], newly
-
-
-class EveryClientRejected(RunOutcome):
-    """The screen rejected every client of a round: the fit cannot go on (an outcome of the
-    adversaries and the threshold, not a fault)."""
+                       screened_out=combined.newly_rejected)
 
 
 def _calibrate(clock: SimulatedClock, transport: Transport, request: RoundRequest, cohort: Tensor,

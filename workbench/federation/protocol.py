@@ -237,29 +237,6 @@ class Federation:
             raise ValueError(f"federation.aggregation={self.aggregation} combines the updates one by one; "
                              "client-level DP noises their sum: set dp_clip=0, or aggregation=mean")
 
-    def stages(self) -> list[str]:
-        """The protocol's steps a round goes through, in their order, those this federation turns on
-        (none: every client's upload summed, as sent): for the run's summary."""
-        sampled = f"sample {self.sample_rate:g} of the clients ({self.sampling})" if self.sample_rate < 1 else ""
-        clip = (f"clip rows to norm {self.feature_clip:g}" if self.feature_clip > 0 else
-                f"clip updates to norm {self.dp_clip:g}" + (f" (adaptive, quantile {self.dp_clip_quantile:g})"
-                                                            if self.dp_clip_quantile is not None else "")
-                if self.client_level_dp else "")
-        lying = (f"{self.adversary_fraction:g} of the clients lie ({self.attack}"
-                 + (f" × {self.attack_scale:g})" if self.attack in ("scale", "noise") else ")")
-                 if self.adversary_fraction > 0 else "")
-        masked = ("" if not self.secure_aggregation else
-                  "SecAgg+ masks" if self.secure_aggregation_graph == "sparse" else "secure aggregation masks")
-        combined = {"mean": "", "screen": f"screen (τ = {self.aggregation_threshold:g})",
-                    "trimmed_mean": f"trimmed mean (β = {self.aggregation_trim:g})",
-                    "krum": f"Krum (β = {self.aggregation_trim:g})",
-                    "multi_krum": f"Multi-Krum (β = {self.aggregation_trim:g})",
-                    "norm_bound": f"norm bound {self.aggregation_norm:g}"}.get(self.aggregation, self.aggregation)
-        noise = (f"noise σ = {self.dp_sigma:g} on the statistics" if self.dp_sigma > 0 else
-                 f"noise z = {self.dp_noise_multiplier:g} on the updates' sum" if self.dp_noise_multiplier > 0 else "")
-        dropped = f"{self.dropout:g} of the clients drop out" if self.dropout > 0 else ""
-        return [stage for stage in (sampled, dropped, clip, lying, masked, combined, noise) if stage]
-
     @property
     def robust(self) -> bool:
         """The server combines the model updates otherwise than by their mean."""
@@ -312,3 +289,21 @@ class Federation:
         if count:
             dropped[torch.randperm(num_clients, generator=self.generator(round_index, DROPOUT_STREAM))[:count]] = True
         return dropped
+
+
+@dataclass(frozen=True)
+class ProtocolView:
+    """What a method knows of the protocol it runs under, read-only: the federation's settings;
+    whether more than they decide who takes part each round (`participation_varies`: systems
+    profiles' stragglers and offline clients, the screen's rejections), so a client may have missed
+    earlier broadcasts; whether its clients can miss a round without notice
+    (`clients_may_go_missing`: remote nodes), so a server that keeps sums across rounds asks for
+    them again; the standard deviation of the noise on each coordinate of its summed statistics
+    when every client uploads (`statistics_noise`: `dp_sigma` and the clients' own, 0 for none),
+    which a failed solve names. Given by the protocol once it has checked a fit
+    (`FitProtocol.check`)."""
+
+    federation: Federation = Federation()
+    participation_varies: bool = False
+    clients_may_go_missing: bool = False
+    statistics_noise: float = 0.0

@@ -205,11 +205,12 @@ class AFL(FederatedMethod):
     def solve(self) -> Tensor:
         """W = (G + γ_out I)⁻¹ H from the pooled statistics: (d [+1], C)."""
         gram = self.pooled_gram + float(self.selected_gamma_out) * identity_like(self.pooled_gram)
-        sigma, name = self.federation.dp_sigma, type(self).__name__
+        sigma, name = self.protocol.statistics_noise, type(self).__name__
         if sigma > 0 and int(torch.linalg.cholesky_ex(gram).info) != 0:
             raise ValueError(
                 f"{name}'s aggregated Gram matrix is indefinite after the differential-privacy noise "
-                f"(federation.dp_sigma = {sigma:g}): set model.{self.ridge_setting} ≥ "
+                f"(σ = {sigma:g} on the sum: federation.dp_sigma, and the clients' own where they noise "
+                f"theirs): set model.{self.ridge_setting} ≥ "
                 f"{safe_ridge(sigma, len(gram)):.4g} (σ(2√d + 8), above the noise's most negative eigenvalue), "
                 "which keeps it positive definite")
         return solve_spd(gram, self.pooled_cross, what=f"{name}'s aggregated Gram matrix")

@@ -43,7 +43,7 @@ from lightning.pytorch.core.mixins import HyperparametersMixin
 from torch import Tensor, nn
 
 from workbench.federation.codec import GRAM, MODEL_UPDATE, STACKED, SUMMED, SYMMETRIC, Upload
-from workbench.federation.protocol import Federation
+from workbench.federation.protocol import Federation, ProtocolView
 
 __all__ = ["GRAM", "MODEL_UPDATE", "STACKED", "SUMMED", "SYMMETRIC", "ClientHalf", "Cohort", "FederatedMethod",
            "Problem", "RoundPlan", "Upload"]
@@ -210,13 +210,6 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
     global_model: bool = True
     #: fits on feature vectors (n, d) only, as the analytic methods' statistics are of rows
     needs_feature_vectors: bool = True
-    #: set by an engine whose clients can miss a round without notice (a lost Flower node): a
-    #: method whose server keeps sums across rounds asks for them again (DeepAFL's `restate`)
-    clients_may_go_missing: bool = False
-    #: set by the protocol when more than `federation` decides who takes part each round (systems
-    #: profiles: a deadline's stragglers, over-selection, clients offline): as under cohorts, the
-    #: clients of one round are not those of the last, and a client may have missed broadcasts
-    participation_varies: bool = False
     _forgot_clients: bool = False  # some clients came back afresh (`forget_clients`)
 
     rounds_done: Tensor  # () int64
@@ -227,7 +220,38 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
         self.register_buffer("rounds_done", torch.zeros((), dtype=torch.long))
         self.register_buffer("finished", torch.zeros((), dtype=torch.bool))  # rounds and final broadcast done
         self.problem: Problem | None = None
-        self.federation = Federation()  # the protocol the engine runs; read-only here (e.g. dp_sigma)
+        self._protocol = ProtocolView()  # what it knows of the protocol it runs under (`run_under`)
+
+    # ---- the protocol it runs under ---------------------------------------------------------
+    def run_under(self, protocol: ProtocolView) -> None:
+        """The protocol's read-only view for this fit, given by the protocol once it has checked
+        the fit (`FitProtocol.check`); the method reads it, never changes it."""
+        if not isinstance(protocol, ProtocolView):
+            raise TypeError(f"a method runs under a workbench.federation.ProtocolView, got {type(protocol).__name__}")
+        self._protocol = protocol
+
+    @property
+    def protocol(self) -> ProtocolView:
+        """What it knows of the protocol it runs under (default: none of the protocol's parts)."""
+        return self._protocol
+
+    @property
+    def federation(self) -> Federation:
+        """The federation's settings (read-only: e.g. dp_sigma, to explain a failed solve)."""
+        return self._protocol.federation
+
+    @property
+    def clients_may_go_missing(self) -> bool:
+        """Its clients can miss a round without notice (a lost Flower node): a method whose server
+        keeps sums across rounds asks for them again (DeepAFL's `restate`)."""
+        return self._protocol.clients_may_go_missing
+
+    @property
+    def participation_varies(self) -> bool:
+        """More than `federation` decides who takes part each round (systems profiles: a deadline's
+        stragglers, over-selection, clients offline; the screen's rejections): as under cohorts, the
+        clients of one round are not those of the last, and a client may have missed broadcasts."""
+        return self._protocol.participation_varies
 
     # ---- to implement ---------------------------------------------------------------------
     @property

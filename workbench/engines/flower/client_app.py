@@ -56,8 +56,9 @@ from workbench.engines.flower.spec import (
     to_record,
 )
 from workbench.federation import codec
-from workbench.federation.client_step import client_step, wire_spec
+from workbench.federation.client_step import client_step
 from workbench.federation.secure_aggregation import SecureAggregator
+from workbench.federation.stages import Pipeline
 from workbench.methods.base import ClientHalf, Cohort, FederatedMethod, Problem
 
 STATE_KEY, NODE_KEY = "workbench.client_state", "workbench.node"
@@ -306,7 +307,7 @@ def train(message: Message, context: Context) -> tuple[RecordDict, int]:
         content["layout"] = ConfigRecord({"json": json.dumps(layout)})
         bytes_up = aggregator.bytes_per_client
     else:
-        symmetric = codec.symmetric_names(wire_spec(here.method.uploads, clip_norm is not None))
+        symmetric = codec.symmetric_names(Pipeline.for_node(clip_norm).wire(here.method.uploads))
         content["uploads"] = to_record(codec.pack(sent.uploads, symmetric))
         bytes_up = sent.bytes_up
     here.save(context)
