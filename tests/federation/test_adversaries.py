@@ -11,8 +11,9 @@ from tests.engines.conformance import comparable_state
 from tests.federation.test_systems import data, rounds
 from workbench.federation import Federation
 from workbench.federation.adversaries import flip_labels, segments
+from workbench.federation.stages import Outgoing, Pipeline
 from workbench.methods import AFL, OSFED, FedAvg, Problem
-from workbench.methods.base import Cohort
+from workbench.methods.base import MODEL_UPDATE, Cohort
 from workbench.methods.osfed import Snapshot
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -121,3 +122,18 @@ def test_a_fit_refuses_noise_for_a_method_without_model_updates_and_lies_otherwi
 def test_bad_attack_settings_are_one_line(settings, message):
     with pytest.raises(ValueError, match=message):
         Federation(**settings)
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "median"])
+def test_each_noising_adversary_adds_its_own_noise_of_the_stated_spread(aggregation):
+    """Three adversaries computed together: summed, their noise is N(0, 3s²); one row each (robust
+    aggregation), every row gets N(0, s²), not the run's."""
+    federation = Federation(adversary_fraction=0.5, attack="noise", attack_scale=2.0, aggregation=aggregation)
+    pipeline = Pipeline.of(federation)
+    spec = {"update": MODEL_UPDATE}
+    rows = {"update": torch.zeros(3, 20_000, dtype=torch.float64)}
+    sent = pipeline.client_message(Outgoing(rows, spec, 0, torch.arange(3), liars=True,
+                                            generator=torch.Generator().manual_seed(0)))
+    spreads = sent.uploads["update"].reshape(-1 if aggregation == "mean" else 3, 20_000).std(dim=1)
+    expected = 2.0 * (3 ** 0.5 if aggregation == "mean" else 1.0)
+    assert torch.allclose(spreads, torch.full_like(spreads, expected), rtol=0.03)

@@ -36,7 +36,8 @@ def flip_labels(labels: Tensor, num_classes: int) -> Tensor:
 
 def poison(uploads: Mapping[str, Tensor], spec: codec.Spec, attack: str, scale: float, adversaries: int,
            generator: torch.Generator) -> dict[str, Tensor]:
-    """The uploads `adversaries` clients computed together, as they send them under `attack`."""
+    """The uploads `adversaries` clients computed together, as they send them under `attack`
+    (`spec`: how they travel — a stacked upload holds one row per adversary)."""
     poisoned = dict(uploads)
     for name, value in uploads.items():
         if not value.is_floating_point():
@@ -45,8 +46,9 @@ def poison(uploads: Mapping[str, Tensor], spec: codec.Spec, attack: str, scale: 
             poisoned[name] = -value
         elif attack == "scale":
             poisoned[name] = scale * value
-        elif attack == "noise" and spec[name].model_update:  # the sum of one N(0, s²) per adversary
-            noise = torch.randn(value.shape, generator=generator, dtype=torch.float64) * (scale * adversaries ** 0.5)
+        elif attack == "noise" and spec[name].model_update:  # N(0, s²) per adversary: on its row, or summed
+            spread = scale if spec[name].stacked else scale * adversaries ** 0.5
+            noise = torch.randn(value.shape, generator=generator, dtype=torch.float64) * spread
             poisoned[name] = value + noise.to(value.device, value.dtype)
     return poisoned
 

@@ -83,7 +83,8 @@ class Outgoing:
         the clients it is from;
     clip_norm: client-level DP's norm this round (None: no clipping); rows: the clients' training
         rows; liars: every one of these clients lies (the transports run liars apart from the
-        honest); generator: the round's stream for a liar's noise.
+        honest); generator: the round's stream for a liar's noise; wire: how the uploads travel
+        (`Pipeline.wire`), set once they are combined for `client_send`.
     """
 
     uploads: dict[str, Tensor]
@@ -94,6 +95,7 @@ class Outgoing:
     clip_norm: float | None = None
     liars: bool = False
     generator: torch.Generator | None = None
+    wire: codec.Spec | None = None
 
 
 @dataclass
@@ -297,7 +299,7 @@ class Lie(ProtocolStage):
             return outgoing
         assert outgoing.generator is not None
         federation = self.federation
-        return replace(outgoing, uploads=poison(outgoing.uploads, outgoing.spec, federation.attack,
+        return replace(outgoing, uploads=poison(outgoing.uploads, outgoing.wire or outgoing.spec, federation.attack,
                                                 federation.attack_scale, len(outgoing.clients),
                                                 outgoing.generator))
 
@@ -520,7 +522,7 @@ class Pipeline:
         sent = self.wire(outgoing.spec)
         uploads = {name: value.sum(0) if name in codec.model_update_names(outgoing.spec) and not sent[name].stacked
                    else value for name, value in outgoing.uploads.items()}
-        outgoing = replace(outgoing, uploads=uploads)
+        outgoing = replace(outgoing, uploads=uploads, wire=sent)
         for stage in self.stages:
             outgoing = stage.client_send(outgoing)
         return outgoing
