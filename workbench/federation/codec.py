@@ -108,6 +108,21 @@ def model_update_names(spec: Spec) -> list[str]:
     return [name for name, upload in spec.items() if upload.model_update]
 
 
+def update_rows(updates: Mapping[str, Tensor]) -> Tensor:
+    """The clients' model updates {name: (m, ...)} as one vector per client: (m, P), the names in
+    order (what client-level DP clips and a robust center combines)."""
+    first = next(iter(updates.values()))
+    return torch.cat([value.reshape(len(first), -1) for value in updates.values()], 1)
+
+
+def split_rows(rows: Tensor, like: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """`update_rows` undone: (..., P) back into `like`'s names and per-client shapes,
+    {name: (..., *shape)}."""
+    parts = rows.split([value[0].numel() for value in like.values()], dim=-1)
+    return {name: part.reshape(*rows.shape[:-1], *value.shape[1:])
+            for (name, value), part in zip(like.items(), parts, strict=True)}
+
+
 def gram_names(spec: Spec) -> list[str]:
     """The upload names that are Grams of the client's training rows (the screen checks them)."""
     return [name for name, upload in spec.items() if upload.gram]

@@ -54,6 +54,7 @@ from collections.abc import Callable, Collection, Mapping
 import torch
 from torch import Tensor
 
+from workbench.federation import codec
 from workbench.federation.protocol import NOISE_STREAM, Federation
 
 CLIP_NORM_BYTES = 8  # C travels with the round as one float64
@@ -155,12 +156,8 @@ def clip_features(features: Tensor, feature_norm: float) -> Tensor:
 def clip_client_updates(updates: Mapping[str, Tensor], clip_norm: float) -> tuple[dict[str, Tensor], Tensor]:
     """The clients' updates {name: (m, ...)} clipped jointly (one vector per client) to norm ≤ C, and
     the count Σ b_i of those within C as the float32 `WITHIN_CLIP` upload: (), float32."""
-    names = list(updates)
-    first = updates[names[0]]
-    rows = torch.cat([updates[name].reshape(len(first), -1) for name in names], 1)
-    clipped, within = clip_rows(rows, clip_norm)
-    parts = clipped.split([updates[name][0].numel() for name in names], 1)
-    out = {name: part.reshape(updates[name].shape) for name, part in zip(names, parts, strict=True)}
+    clipped, within = clip_rows(codec.update_rows(updates), clip_norm)
+    out = codec.split_rows(clipped, updates)
     return out, within.sum().to(torch.float32)
 
 

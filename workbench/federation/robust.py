@@ -66,13 +66,9 @@ def aggregate(uploads: Mapping[str, Tensor], spec: codec.Spec, aggregation: str,
               norm: float) -> dict[str, Tensor]:
     """The round's uploads with each stacked model update (m, ...) replaced by m × its robust
     center: where the method expects the sum of the m updates."""
-    out = dict(uploads)
-    names = [name for name in codec.model_update_names(spec) if name in uploads]
-    if not names:
-        return out
-    m = len(uploads[names[0]])
-    rows = torch.cat([uploads[name].reshape(m, -1) for name in names], 1)  # one vector per client, as clipped
-    middle = center(rows, aggregation, trim, norm) * m
-    for name, part in zip(names, middle.split([uploads[name][0].numel() for name in names]), strict=True):
-        out[name] = part.reshape(uploads[name].shape[1:])
-    return out
+    updates = {name: uploads[name] for name in codec.model_update_names(spec) if name in uploads}
+    if not updates:
+        return dict(uploads)
+    m = len(next(iter(updates.values())))
+    rows = codec.update_rows(updates)  # one vector per client, as clipped
+    return {**uploads, **codec.split_rows(center(rows, aggregation, trim, norm) * m, updates)}
