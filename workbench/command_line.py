@@ -74,6 +74,8 @@ def short_help(command: str, what: str) -> str:
         "                       adversary_fraction, ...): docs/protocol.md",
         "  --systems.KEY=VALUE  the clients' links and devices, a simulated clock (preset, deadline_s, ...):",
         "                       docs/latency.md",
+        "  --stages FILE        protocol stages of one's own, e.g. local noise (a list of class_path, init_args):",
+        "                       docs/protocol.md#the-protocol-as-stages",
         *(f"  --{option} {'|'.join(choices)}" for option, choices in CHOICES.items()),
         "  --ckpt_path FILE     resume a run",
         "  --trainer.KEY=VALUE  Lightning's Trainer", "",

@@ -57,6 +57,16 @@ def test_clients_computed_together_send_their_sum_with_one_draw_of_the_sums_nois
     assert torch.equal(result.uploads["gram"], result.uploads["gram"].T)  # symmetric noise on the Gram
 
 
+def test_without_a_seed_of_its_own_the_noise_follows_the_federations_seed():
+    dm = data(4)
+    honest = exact(dm, list(range(4)))
+    for seed in (5, 6):
+        (result,) = run(AFL(gamma=1.0, gamma_out=10.0), dm, Federation(feature_clip=CLIP, seed=seed),
+                        [LocalNoise(SIGMA)])
+        noise = draw(honest, SIGMA * 2.0, seed=seed, first_client=0)
+        assert torch.allclose(result.uploads["cross"] - honest["cross"], noise["cross"], atol=1e-9)
+
+
 def test_under_secure_aggregation_each_client_noises_its_own_before_it_masks():
     dm = data(5)
     federation = Federation(feature_clip=CLIP, secure_aggregation=True)
@@ -117,6 +127,6 @@ def test_a_config_adds_the_stage_and_the_summary_names_it_and_its_epsilon(tmp_pa
     hparams = yaml.safe_load((last_run(tmp_path) / "hparams.yaml").read_text())  # the pipeline in order
     assert hparams["protocol"] == ["clip rows to norm 1", "each client noises its statistics, σ = 0.5"]
     assert hparams["stages"] == [{"stage": "workbench.federation.local_noise.LocalNoise",
-                                  "settings": {"sigma": 0.5, "seed": 0}}]
+                                  "settings": {"sigma": 0.5, "seed": None}}]
     assert f"local privacy     ε = {logged['privacy/local_epsilon']:.3g} at δ = 1e-05 for each client's own" in out
     assert logged["test/acc"] > 0.5

@@ -18,7 +18,7 @@ from workbench.engines.local import LocalClients
 from workbench.engines.round import FitProtocol, run_round
 from workbench.federation import Federation, ProtocolView
 from workbench.federation.local_noise import LocalNoise
-from workbench.federation.stages import ClientRows, Clip, Incoming, Pipeline, Sample, Stage
+from workbench.federation.stages import ClientRows, Clip, Incoming, Outgoing, Pipeline, Sample, Stage
 from workbench.methods import AFL, DeepAFL, FedAvg, Problem
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -83,11 +83,19 @@ def test_a_stage_list_holds_only_stages_of_ones_own_placed_after_a_stage_that_ex
     with pytest.raises(TypeError, match=r"Stage subclasses\), got str"):
         Pipeline.of(Federation(), ["LocalNoise"])  # type: ignore[list-item]
 
+    @dataclass(frozen=True)
     class Nowhere(Stage):
         after = "shuffle"
 
     with pytest.raises(ValueError, match=r"Nowhere.after = 'shuffle' names no stage: one of sample, drop, clip"):
         LightningEngine(AFL(), stages=[Nowhere()])
+
+    class Unrecorded(Stage):  # its settings would be recorded as a memory address
+        def __init__(self, sigma: float) -> None:
+            self.sigma = sigma
+
+    with pytest.raises(TypeError, match=r"Unrecorded must be a dataclass of its settings"):
+        Pipeline.of(Federation(), [Unrecorded(0.5)])
 
 
 def test_a_client_hook_of_ones_own_runs_on_the_clients_rows_and_the_fit_stays_exact():
@@ -153,10 +161,34 @@ def test_a_resumed_fit_with_other_stages_is_refused_with_both_named():
     engine = LightningEngine(AFL(), stages=[LocalNoise(0.5)])
     other = LightningEngine(AFL(), stages=[LocalNoise(0.25)])
     assert engine.pipeline.identity() == [{"stage": "workbench.federation.local_noise.LocalNoise",
-                                           "settings": {"sigma": 0.5, "seed": 0}}]
+                                           "settings": {"sigma": 0.5, "seed": None}}]
     saved = {"method": "AFL", "settings": {}, "federation": {}, "stages": engine.pipeline.identity()}
     configured = {**saved, "engine": "lightning", "data": None, "problem": None,
                   "stages": other.pipeline.identity()}
     with pytest.raises(ValueError, match=r"stages: checkpoint .*'sigma': 0.5.*config .*'sigma': 0.25"):
         check_checkpoint_matches(saved, configured, resuming=True)
     check_checkpoint_matches(saved, configured, resuming=False)  # tested under other stages: allowed
+
+
+def test_clients_built_under_another_protocol_than_the_fits_are_refused_not_silently_unclipped():
+    dm = data(4)
+    method = AFL(gamma=1.0)
+    method.setup(Problem.of(dm))
+    available = torch.unique(dm.train_client_ids)
+    clients = LocalClients(method, dm.train_features, dm.train_labels, dm.train_client_ids, available, 64)
+    protocol = FitProtocol.start(method, Federation(feature_clip=1.0), len(available), stages=[LocalNoise(0.5)])
+    with pytest.raises(ValueError, match=r"built under another protocol \(none of its parts\) than the fit's "
+                                         r"\(clip rows to norm 1 → each client noises its statistics, σ = 0.5\)"):
+        run_round(method, clients, protocol, available)
+    with pytest.raises(ValueError, match=r"has no clip stage: build the clients with the fit's federation"):
+        Pipeline.of(Federation()).client_message(Outgoing({}, {}, 0, torch.arange(2), clip_norm=1.0))
+
+
+def test_the_stages_of_ones_own_are_checked_after_the_built_in_ones_and_kept_under_other_settings():
+    afl = AFL()
+    afl.setup(Problem((6,), 4, 5))
+    with pytest.raises(ValueError, match=r"aggregation=median combines clients' model updates; AFL sends statistics"):
+        FitProtocol.check(afl, Federation(aggregation="median"), 5, stages=[LocalNoise(0.5)])
+    pipeline = Pipeline.of(Federation(sample_rate=0.5), [Record([])])
+    wider = pipeline.under(Federation(sample_rate=0.8))
+    assert wider.own() == pipeline.own() and wider.get(Sample).federation.sample_rate == 0.8  # type: ignore[union-attr]

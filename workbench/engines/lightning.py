@@ -135,6 +135,7 @@ class LightningEngine(LightningModule):
             raise TypeError(f"federation must be a workbench.federation.Federation, got {type(federation).__name__}")
         self.federation = federation or Federation()  # the protocol it runs (default: none of its parts)
         self.stages = tuple(stages)
+        self._protocol_checked = False  # `check_data` checked the protocol (and gave its warnings)
         self.pipeline = Pipeline.of(self.federation, self.stages)  # (a stage that is none, or misplaced, fails here)
         if not (isinstance(eval_every, int) and eval_every >= 0):
             raise ValueError(f"eval_every must be an integer ≥ 0 (rounds between two points of the learning curve; "
@@ -206,6 +207,7 @@ class LightningEngine(LightningModule):
             FitProtocol.check(self.method, self.federation, len(torch.unique(data.train_client_ids)),
                               self.systems if self.systems.active else None, in_process=self.remote_clients is None,
                               remote=self.remote_clients is not None, stages=self.stages)
+            self._protocol_checked = True
             self._check_stopping(data)
             self.method.check_data(data)
 
@@ -263,12 +265,16 @@ class LightningEngine(LightningModule):
             clock = SimulatedClock(self.systems, rows, row_s=self._totals.pop("latency_row_s", None),
                                    upload_bytes=self._totals.pop("latency_upload_bytes", None))
             self._totals.setdefault("latency_s", 0.0)
-        self.protocol = FitProtocol.start(self.method, self.federation, len(self.available),
-                                          clip_norm=self._totals.pop("dp_clip_norm", None), clock=clock,
-                                          in_process=self.remote_clients is None and self.trainer.world_size == 1,
-                                          remote=self.remote_clients is not None,
-                                          rejected=[event[1] for event in self.client_events if event[2] == REJECTED],
-                                          stages=self.stages)
+        with warnings.catch_warnings():
+            if self._protocol_checked:  # its warnings were given when the command line checked it
+                warnings.simplefilter("ignore")
+            self.protocol = FitProtocol.start(self.method, self.federation, len(self.available),
+                                              clip_norm=self._totals.pop("dp_clip_norm", None), clock=clock,
+                                              in_process=self.remote_clients is None and self.trainer.world_size == 1,
+                                              remote=self.remote_clients is not None,
+                                              rejected=[event[1] for event in self.client_events
+                                                        if event[2] == REJECTED],
+                                              stages=self.stages)
         self.curve = []
         self._stop = False
         self._check_stopping(self.data)

@@ -23,7 +23,7 @@ from workbench.federation import codec
 from workbench.federation.adversaries import segments
 from workbench.federation.client_step import client_step
 from workbench.federation.protocol import ATTACK_STREAM, Federation
-from workbench.federation.stages import ClientRows, Clip, Lie, Pipeline, Stage
+from workbench.federation.stages import ClientRows, Lie, Pipeline, Stage
 from workbench.methods.base import ClientHalf, Cohort, FederatedMethod
 
 
@@ -76,16 +76,16 @@ class LocalClients:
              attack_noise: torch.Generator | None = None):
         """The client step of `clients` (sorted ids this process serves) in `request`'s round
         (`liars`: they all lie, drawing their noise from `attack_noise`)."""
-        if request.clip_norm is not None and self.pipeline.get(Clip) is None:
-            raise ValueError("the round asks its clients to clip their updates (client-level DP), and these "
-                             "in-process clients were built without federation.dp_clip: build LocalClients with "
-                             "the fit's federation")
         return client_step(self.half, self.method.uploads, request.round_index, request.broadcast,
                            self.cohort(clients), request.clip_norm, self.pipeline, liars, attack_noise)
 
     def update(self, request: RoundRequest) -> Replies:
         """Runs the round on this process's survivors (whose uploads count) and lost clients
         (dropped: they compute, their uploads never arrive)."""
+        if request.pipeline != self.pipeline:  # its client hooks ran on these clients' rows, and run on their uploads
+            raise ValueError(f"these in-process clients were built under another protocol "
+                             f"({self._named(self.pipeline)}) than the fit's ({self._named(request.pipeline)}): "
+                             "build LocalClients with the fit's federation and stages")
         replies, secure = Replies(), request.secure
         start = time.perf_counter()
         mine = self._mine(request.survivors)
@@ -138,6 +138,10 @@ class LocalClients:
         assert message is not None
         return Calibration(layout_of(message.uploads), message.bytes_up, seconds,
                            int(self.ends[client] - self.starts[client]))
+
+    @staticmethod
+    def _named(pipeline: Pipeline) -> str:
+        return " → ".join(pipeline.describe()) or "none of its parts"
 
     def _mine(self, clients: Tensor) -> Tensor:
         return clients[torch.isin(clients, self.served.to(clients.device))]

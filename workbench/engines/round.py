@@ -47,7 +47,7 @@ from workbench.federation import Federation, codec, messages_bytes
 from workbench.federation.privacy import CLIP_NORM_BYTES, FitPrivacy
 from workbench.federation.protocol import ProtocolView
 from workbench.federation.secure_aggregation import SecureAggregator, UploadLayout, secure_aggregator
-from workbench.federation.stages import Incoming, Pipeline, Setting, Stage
+from workbench.federation.stages import NO_PROTOCOL, Incoming, Pipeline, Setting, Stage
 from workbench.federation.systems import EveryClientLate, SimulatedClock, Systems, check_systems
 from workbench.methods.base import FederatedMethod, Metrics
 
@@ -61,7 +61,9 @@ class RoundRequest:
         whose uploads never arrive (dropped);
     spec: the uploads on the wire (the method's, and the protocol's: `Pipeline.wire`);
     secure: the round's secure aggregation (each client masks its own message), or None;
-    clip_norm: client-level DP's C (the clients clip their model updates to it), or None.
+    clip_norm: client-level DP's C (the clients clip their model updates to it), or None;
+    pipeline: the fit's protocol, whose client hooks in-process clients run (they check they were
+        built under it); a remote node knows of it only what the message carries.
     """
 
     round_index: int
@@ -71,6 +73,7 @@ class RoundRequest:
     spec: codec.Spec
     secure: SecureAggregator | None = None
     clip_norm: float | None = None
+    pipeline: Pipeline = NO_PROTOCOL
 
 
 @dataclass
@@ -266,7 +269,7 @@ def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtoc
     target = None
     if clock is not None and clock.systems.over_select > 0:  # ask more, keep the first `target` replies
         target, asked = len(sampled), clock.asked(len(sampled), len(available))
-        sampled = replace(federation, sample_rate=asked / len(available)).sampled_clients(round_index, available)
+        sampled = pipeline.under(replace(federation, sample_rate=asked / len(available))).cohort(round_index, available)
     plan = method.plan_round(sampled)
     cohort = plan.clients.to(available.device)
     dropped = pipeline.lost(round_index, cohort, method.num_clients)
@@ -274,7 +277,7 @@ def run_round(method: FederatedMethod, transport: Transport, protocol: FitProtoc
     secure = (secure_aggregator(federation, cohort.tolist(), round_index, codec.symmetric_names(spec))
               if federation.secure_aggregation else None)
     request = RoundRequest(round_index, plan.broadcast, cohort[~dropped], cohort[dropped], spec, secure,
-                           privacy.clip_norm)
+                           privacy.clip_norm, pipeline)
     bytes_down = messages_bytes(plan.broadcast) + (CLIP_NORM_BYTES if privacy.clip_norm is not None else 0)
     decided, calibration_s = None, 0.0
     if clock is not None:

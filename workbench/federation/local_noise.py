@@ -22,9 +22,10 @@ and before the masks:
       - class_path: workbench.federation.local_noise.LocalNoise
         init_args: {sigma: 0.5}
 
-Noise is drawn per message, from (seed, round, the message's first client): a client alone (one
-by one under secure aggregation, or on its own node) draws its own; clients computed together in
-process send their sum with one draw of N(0, m σ²), the same distribution.
+Noise is drawn per message, from (seed, round, the message's first client), the seed the
+federation's unless the stage names one: a client alone (one by one under secure aggregation)
+draws its own; clients computed together in process send their sum with one draw of N(0, m σ²),
+the same distribution (up to the rounding of counts).
 """
 from __future__ import annotations
 
@@ -43,10 +44,11 @@ LOCAL_NOISE_STREAM = 5  # (beside the federation's streams of one round, `protoc
 
 @dataclass(frozen=True)
 class LocalNoise(Stage):
-    """Each client adds N(0, σ²) to every statistic it sends (σ = `sigma` > 0), drawn from `seed`."""
+    """Each client adds N(0, σ²) to every statistic it sends (σ = `sigma` > 0), drawn from `seed`
+    (None: the federation's, so that a sweep over `federation.seed` draws anew)."""
 
     sigma: float
-    seed: int = 0
+    seed: int | None = None
 
     name = "local_noise"
     after = "lie"  # on what a client sends (a liar's lie included), before it is masked
@@ -54,7 +56,7 @@ class LocalNoise(Stage):
     def __post_init__(self) -> None:
         if not self.sigma > 0:
             raise ValueError(f"LocalNoise.sigma must be > 0 (the noise's standard deviation), got {self.sigma}")
-        if not 0 <= self.seed < 2 ** 63:
+        if self.seed is not None and not 0 <= self.seed < 2 ** 63:
             raise ValueError(f"LocalNoise.seed must be an integer in [0, 2⁶³), got {self.seed}")
 
     def describe(self) -> str:
@@ -75,11 +77,12 @@ class LocalNoise(Stage):
                           "federation.feature_clip, so each row's effect is bounded), so no privacy/local_epsilon "
                           "is reported", stacklevel=2)
 
-    def statistics_noise(self, clients: int) -> float:
+    def statistics_variance(self, clients: int) -> float:
         return clients * self.sigma ** 2
 
     def client_send(self, outgoing: Outgoing) -> Outgoing:
-        generator = self._generator(outgoing.round_index, int(outgoing.clients[0]))
+        seed = self.seed if self.seed is not None else outgoing.federation.seed
+        generator = self._generator(seed, outgoing.round_index, int(outgoing.clients[0]))
         mine = {name: outgoing.uploads[name] for name in outgoing.spec if name in outgoing.uploads}
         noised = add_gaussian_noise(mine, self.sigma * len(outgoing.clients) ** 0.5, generator,
                                     symmetric=codec.symmetric_names(outgoing.spec))
@@ -92,7 +95,8 @@ class LocalNoise(Stage):
         epsilon = gaussian_epsilon(self.sigma / rounds ** 0.5, sensitivity, incoming.setting.federation.dp_delta)
         return replace(incoming, metrics={**incoming.metrics, "privacy/local_epsilon": epsilon})
 
-    def _generator(self, round_index: int, first_client: int) -> torch.Generator:
-        state = np.random.SeedSequence([self.seed, round_index, LOCAL_NOISE_STREAM, first_client]).generate_state(
+    @staticmethod
+    def _generator(seed: int, round_index: int, first_client: int) -> torch.Generator:
+        state = np.random.SeedSequence([seed, round_index, LOCAL_NOISE_STREAM, first_client]).generate_state(
             1, np.uint64)[0]
         return torch.Generator().manual_seed(int(state))

@@ -24,6 +24,7 @@ in `run_round`, where a failed unmasking is explained; here it is checked and de
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -81,21 +82,23 @@ class Outgoing:
     uploads: before `client_update`, the client half's (model updates one row per client); after,
         as they travel (`wire`); spec: the method's uploads; round_index: t; clients: (m,) the ids of
         the clients it is from;
-    clip_norm: client-level DP's norm this round (None: no clipping); rows: the clients' training
-        rows; liars: every one of these clients lies (the transports run liars apart from the
+    row_count: the clients' training rows; clip_norm: client-level DP's norm this round (None: no
+        clipping); liars: every one of these clients lies (the transports run liars apart from the
         honest); generator: the round's stream for a liar's noise; wire: how the uploads travel
-        (`Pipeline.wire`), set once they are combined for `client_send`.
+        (`Pipeline.wire`), set once they are combined for `client_send`; federation: the protocol's
+        settings (set by `Pipeline.client_message`).
     """
 
     uploads: dict[str, Tensor]
     spec: codec.Spec
     round_index: int
     clients: Tensor
-    rows: int = 0
+    row_count: int = 0
     clip_norm: float | None = None
     liars: bool = False
     generator: torch.Generator | None = None
     wire: codec.Spec | None = None
+    federation: Federation = Federation()
 
 
 @dataclass
@@ -105,7 +108,8 @@ class Incoming:
     uploads: combined over the survivors (summed, or their rows stacked in client order); wire: how
     they travelled; spec: the method's uploads; survivors: (m,) sorted ids; rejected: (r,) sorted
     ids the screen rejected this round (their uploads not summed); rejected_before: the clients
-    rejected in earlier rounds of the fit (the screen adds this round's); newly_rejected: those
+    rejected in earlier rounds of the fit (the fit's own set, `FitProtocol.rejected`: the screen
+    adds this round's to it); newly_rejected: those
     rejected for the first time; privacy: the fit's `FitPrivacy` (the noise and its ε); setting:
     what the fit's pipeline was checked against; metrics: the round's protocol metrics
     (`privacy/*`, `screen/*`).
@@ -133,10 +137,11 @@ class Stage:
     """One concern of the protocol, with its hooks (each defaults to leaving things as they are).
 
     The built-in stages (`ProtocolStage`) are composed from the federation's settings; a stage of
-    one's own subclasses this (a frozen dataclass of its settings is the natural form), overrides
-    the hooks it needs and goes in the config's `stages:` list, like a Flower mod; `after` names
-    the built-in stage it follows (`Pipeline.NAMES`), those with the same `after` in the list's
-    order. Its client hooks run where the clients run in process (a remote node runs its own code).
+    one's own subclasses this as a frozen dataclass of its settings (what a checkpoint and the
+    run's hparams record of it), overrides the hooks it needs and goes in the config's `stages:`
+    list, like a Flower mod; `after` names the built-in stage it follows (`Pipeline.NAMES`), those
+    with the same `after` in the list's order. Its client hooks run where the clients run in
+    process (a remote node runs its own code).
     """
 
     name: ClassVar[str] = ""
@@ -149,7 +154,7 @@ class Stage:
     def check(self, setting: Setting) -> None:
         """Refuses, in one line naming the fix, what this stage cannot run with."""
 
-    def statistics_noise(self, clients: int) -> float:
+    def statistics_variance(self, clients: int) -> float:
         """The variance it adds to each coordinate of a round's summed statistics when `clients`
         clients upload (what a method's failed solve names)."""
         return 0.0
@@ -367,7 +372,7 @@ class Aggregate(ProtocolStage):
         uploads = {name: value if outgoing.spec[name].stacked else value[None]
                    for name, value in outgoing.uploads.items()}
         device = next(iter(uploads.values())).device if uploads else None
-        return replace(outgoing, uploads={**uploads, ROWS: torch.tensor([outgoing.rows], device=device)})
+        return replace(outgoing, uploads={**uploads, ROWS: torch.tensor([outgoing.row_count], device=device)})
 
     def combine(self, incoming: Incoming) -> Incoming:
         federation = self.federation
@@ -426,7 +431,7 @@ class Noise(ProtocolStage):
             raise ValueError(f"federation.dp_sigma adds noise to summed statistics; {setting.method} sends per-client "
                              f"uploads {stacked}: set federation.dp_sigma=0 for it")
 
-    def statistics_noise(self, clients: int) -> float:
+    def statistics_variance(self, clients: int) -> float:
         return self.federation.dp_sigma ** 2
 
     def combine(self, incoming: Incoming) -> Incoming:
@@ -437,9 +442,11 @@ class Noise(ProtocolStage):
 
 @dataclass(frozen=True)
 class Pipeline:
-    """The stages of a fit's protocol, in round order (`Pipeline.of`)."""
+    """The stages of a fit's protocol, in round order, and the federation's settings they come
+    from (`Pipeline.of`)."""
 
     stages: tuple[Stage, ...]
+    federation: Federation = Federation()
 
     ORDER: ClassVar[tuple[type[ProtocolStage], ...]] = (Sample, Drop, Clip, Lie, Mask, Aggregate, Noise)
     NAMES: ClassVar[tuple[str, ...]] = tuple(kind.name for kind in ORDER)
@@ -460,17 +467,28 @@ class Pipeline:
             if not isinstance(stage, Stage):
                 raise TypeError(f"stages: lists stages of one's own (workbench.federation.stages.Stage subclasses), "
                                 f"got {type(stage).__name__}")
+            if not dataclasses.is_dataclass(stage):
+                raise TypeError(f"the stage {type(stage).__name__} must be a dataclass of its settings "
+                                "(@dataclass(frozen=True)): they are what a checkpoint and the run's hparams record")
             if stage.after not in cls.NAMES:
                 raise ValueError(f"{type(stage).__name__}.after = {stage.after!r} names no stage: one of "
                                  f"{', '.join(cls.NAMES)}")
             ranked.append((2 * cls.NAMES.index(stage.after) + 1, stage))
-        return cls(tuple(stage for _, stage in sorted(ranked, key=lambda pair: pair[0])))  # (a stable sort)
+        return cls(tuple(stage for _, stage in sorted(ranked, key=lambda pair: pair[0])), federation)  # stable
 
     @classmethod
     def for_node(cls, clip_norm: float | None) -> Pipeline:
         """A remote node's client side: what each round's message tells it of the protocol (the
         clip norm); the rest runs on the server, and nodes sum what they send."""
         return cls.of(Federation(dp_clip=clip_norm)) if clip_norm is not None else cls(())
+
+    def own(self) -> list[Stage]:
+        """The stages of one's own (the config's `stages:`), in order."""
+        return [stage for stage in self.stages if not isinstance(stage, ProtocolStage)]
+
+    def under(self, federation: Federation) -> Pipeline:
+        """The same stages of one's own under other settings (over-selection's larger cohort)."""
+        return Pipeline.of(federation, self.own())
 
     def names(self) -> list[str]:
         return [stage.name for stage in self.stages]
@@ -483,9 +501,13 @@ class Pipeline:
         return next((stage for stage in self.stages if isinstance(stage, kind)), None)
 
     def check(self, setting: Setting) -> None:
-        """Every stage's refusals, in round order, before any work."""
+        """Every stage's refusals, before any work: the built-in stages' in round order, then those
+        of one's own (which may rely on the built-in checks)."""
         for stage in self.stages:
-            if setting.remote and stage.runs_on_clients and not isinstance(stage, ProtocolStage):
+            if isinstance(stage, ProtocolStage):
+                stage.check(setting)
+        for stage in self.own():
+            if setting.remote and stage.runs_on_clients:
                 raise ValueError(f"the stage {type(stage).__name__} runs on the clients, and a remote transport's "
                                  "nodes run their own code: drop it from stages: there (or fit in process)")
             stage.check(setting)
@@ -493,12 +515,12 @@ class Pipeline:
     def statistics_noise(self, clients: int) -> float:
         """The standard deviation of the noise on each coordinate of a round's summed statistics
         when `clients` clients upload (0: none)."""
-        return sum(stage.statistics_noise(clients) for stage in self.stages) ** 0.5
+        return sum(stage.statistics_variance(clients) for stage in self.stages) ** 0.5
 
     def identity(self) -> list[dict]:
         """The stages of one's own with their settings, in order (a checkpoint's, to compare on resume)."""
         return [{"stage": f"{type(stage).__module__}.{type(stage).__qualname__}", "settings": plain(stage)}
-                for stage in self.stages if not isinstance(stage, ProtocolStage)]
+                for stage in self.own()]
 
     # ---- client side ------------------------------------------------------------------------
     def client_rows(self, rows: ClientRows) -> ClientRows:
@@ -517,6 +539,10 @@ class Pipeline:
         """A run of clients' message from what their client half computed: each client's model
         updates through `client_update`, summed over the clients unless they travel one row each,
         then through `client_send`."""
+        if outgoing.clip_norm is not None and self.get(Clip) is None:
+            raise ValueError("the round asks its clients to clip their updates (client-level DP), and their protocol "
+                             "has no clip stage: build the clients with the fit's federation (its dp_clip)")
+        outgoing = replace(outgoing, federation=self.federation)
         for stage in self.stages:
             outgoing = stage.client_update(outgoing)
         sent = self.wire(outgoing.spec)
@@ -544,3 +570,7 @@ class Pipeline:
             incoming = stage.combine(incoming)
         return incoming
 
+
+
+#: the protocol with none of its parts: every upload summed as sent
+NO_PROTOCOL = Pipeline(())

@@ -293,7 +293,8 @@ def train(message: Message, context: Context) -> tuple[RecordDict, int]:
     round_index, lost, secure = int(number(settings, "round")), flag(settings, "lost"), text(settings, "secure")
     clip_norm = number(settings, "clip_norm") if number(settings, "clip_norm") >= 0 else None  # -1: no clipping
     broadcast = from_record(message.content.array_records["broadcast"])
-    sent = client_step(here.half, here.method.uploads, round_index, broadcast, here.data.cohort(), clip_norm)
+    pipeline = Pipeline.for_node(clip_norm)
+    sent = client_step(here.half, here.method.uploads, round_index, broadcast, here.data.cohort(), clip_norm, pipeline)
     content = RecordDict()
     bytes_up = 0
     if lost:  # dropped: it computed (its state stays current), but nothing it sends arrives
@@ -307,7 +308,7 @@ def train(message: Message, context: Context) -> tuple[RecordDict, int]:
         content["layout"] = ConfigRecord({"json": json.dumps(layout)})
         bytes_up = aggregator.bytes_per_client
     else:
-        symmetric = codec.symmetric_names(Pipeline.for_node(clip_norm).wire(here.method.uploads))
+        symmetric = codec.symmetric_names(pipeline.wire(here.method.uploads))
         content["uploads"] = to_record(codec.pack(sent.uploads, symmetric))
         bytes_up = sent.bytes_up
     here.save(context)
