@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,11 @@ from torch import Tensor, nn
 from workbench.linalg import class_sums, counts_of, statistics_dtype
 from workbench.methods.base import GRAM, SUMMED, SYMMETRIC, Cohort, Problem, Uploads
 from workbench.methods.ridge_selection import client_holdout
+
+if TYPE_CHECKING:
+    from workbench.methods.afl import AFL
+    from workbench.methods.fedncm import FedNCM
+    from workbench.methods.ghofl import GHOFL
 
 StartMethod = Literal["none", "AFL", "Fed3R", "FedNCM", "LDA"]
 ABSENT_LOGIT = -1e4
@@ -118,7 +123,7 @@ class AnalyticStart:
         defaults to float64)."""
         return statistics_dtype(self.settings.get("dtype", "float64"))
 
-    def build_head_method(self) -> nn.Module:
+    def build_head_method(self) -> AFL | FedNCM | GHOFL:
         """The analytic method whose server solve gives the head, built from `settings`."""
         from workbench.methods.afl import AFL
         from workbench.methods.fed3r import Fed3R
@@ -126,11 +131,12 @@ class AnalyticStart:
         from workbench.methods.ghofl import GHOFL
 
         settings = dict(self.settings)
+        methods: dict[str, type[AFL] | type[FedNCM]] = {"AFL": AFL, "Fed3R": Fed3R, "FedNCM": FedNCM}
         try:
             if self.method == "LDA":
-                head_method: nn.Module = GHOFL(heads=("lda",), primary_head="lda", **settings)
+                head_method: AFL | FedNCM | GHOFL = GHOFL(heads=("lda",), primary_head="lda", **settings)
             else:
-                head_method = {"AFL": AFL, "Fed3R": Fed3R, "FedNCM": FedNCM}[self.method](**settings)
+                head_method = methods[self.method](**settings)
         except TypeError as error:
             raise ValueError(f"init_from.settings {settings} are not {self.method}'s settings: {error}") from None
         if getattr(head_method, "gamma_grid", [])[1:]:
@@ -195,11 +201,14 @@ class AnalyticStart:
         return self._head(sums, num_classes, num_clients)
 
     def _head(self, sums: dict[str, Tensor], num_classes: int, num_clients: int) -> tuple[Tensor, Tensor]:
+        from workbench.methods.afl import AFL
+        from workbench.methods.fedncm import FedNCM
+
         method = self.build_head_method()
         dim = sums["class_sums"].shape[1]
         method.setup(Problem((dim,), num_classes, num_clients))
         a, counts = sums["class_sums"].to(method.stat_dtype), sums["class_counts"].to(torch.long)
-        if self.method in ("AFL", "Fed3R"):
+        if isinstance(method, AFL):  # AFL, Fed3R
             n = counts.to(a)
             gram, cross = sums["second_moment"].to(a), a.T
             if method.bias:  # the design [h, 1]
@@ -210,7 +219,7 @@ class AnalyticStart:
             weight = method.solve()
             bias = weight[dim] if method.bias else weight.new_zeros(num_classes)
             weight = weight[:dim]
-        elif self.method == "FedNCM":
+        elif isinstance(method, FedNCM):
             method.server_update({"class_sums": a, "class_counts": counts}, num_clients)
             weight, bias = method.temperature * method.prototypes.T, a.new_zeros(num_classes)
         else:  # LDA
@@ -269,5 +278,6 @@ def activations(net: nn.Module, features: Tensor, batch_size: int) -> Tensor:
 def load_head(net: nn.Module, weight: Tensor, bias: Tensor, temperature: float) -> None:
     """The last layer ← W/τ, b/τ: (d_h, C), (C,)."""
     last = list(net.children())[-1]
+    assert isinstance(last, nn.Linear)  # as `body` checked
     last.weight.copy_((weight / temperature).T.to(last.weight))
     last.bias.copy_((bias / temperature).to(last.bias))

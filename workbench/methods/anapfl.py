@@ -86,6 +86,11 @@ class AnaPFLClient(AFLClient):
     λ, `local_weight` (num_served, h, C) W_l of the served clients.
     """
 
+    main_seed: Tensor  # () int64, −1 until received
+    global_weight: Tensor  # (h, C) W_g
+    refinement_scale: Tensor  # () λ
+    local_weight: Tensor  # (num_served, h, C) W_l
+
     def __init__(self, problem: Problem, method: AnaPFL) -> None:
         super().__init__(problem, method)
         self.design = self.main_features  # AFL's statistics on Hg, from the received seed
@@ -219,6 +224,9 @@ class AnaPFL(AFL):
     uploads = MappingProxyType({"gram": GRAM, "cross": SUMMED, "holdout_accuracy": SUMMED,
                                 "holdout_clients": SUMMED})
 
+    global_projection: Tensor  # (d, h) P_g, from the seed (not saved)
+    refinement_scale: Tensor  # () λ
+
     def __init__(self, hidden_dim: int = 1024, gamma: float = 1e-2, gamma_out: float = 1e-2, beta: float = 1.0,
                  lambdas: Sequence[float] = DEFAULT_LAMBDAS, holdout_fraction: float = 0.1, seed: int = 0,
                  local_seed: int = 1, dtype: str = "float64") -> None:
@@ -257,6 +265,8 @@ class AnaPFL(AFL):
         return self.hidden_dim
 
     def client_half(self) -> AnaPFLClient:
+        if self.problem is None:
+            raise RuntimeError("AnaPFL builds its clients once set up for a problem (`setup`)")
         return AnaPFLClient(self.problem, self)
 
     def design(self, features: Tensor) -> Tensor:

@@ -40,6 +40,8 @@ class DittoClient(FedAvgClient):
     """FedAvg's clients, each also keeping its personal model v_k (`personal`: a `ClientTable`
     holding the clients that have trained one; the others' is still w₀)."""
 
+    initial: Tensor  # (P,) w₀
+
     def __init__(self, problem: Problem, method: Ditto) -> None:
         super().__init__(problem, method)
         self.lam, self.personal_epochs, self.personal_lr = method.lam, method.personal_epochs, method.personal_lr

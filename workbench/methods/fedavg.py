@@ -35,6 +35,7 @@ FedAvg is centralized minibatch SGD (tested).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
 
 from torch import Tensor
@@ -82,8 +83,9 @@ class FedAvg(GradientMethod):
             hidden_dim, local, sample_fraction, server_lr, seed).
     """
 
-    uploads = MappingProxyType({"update": MODEL_UPDATE})  # with the compressor as its encoding once set up
-    client_class = FedAvgClient
+    # with the compressor as its encoding once set up
+    uploads: Mapping[str, Upload] = MappingProxyType({"update": MODEL_UPDATE})
+    client_class: type[FedAvgClient] = FedAvgClient
 
     def __init__(self, compression: Compression = Compression(), error_feedback: ErrorFeedback = ErrorFeedback(),
                  **kwargs) -> None:

@@ -13,6 +13,7 @@ server's step grows by up to 1 / (1 − β), so η_s often comes down as β goes
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from workbench.methods.base import Metrics, Problem, Uploads
 from workbench.methods.fedavg import FedAvg
@@ -25,6 +26,8 @@ class FedAvgM(FedAvg):
         server_momentum: β in [0, 1).
         **kwargs: FedAvg's arguments (`local`, `compression`, `server_lr`, ...).
     """
+
+    velocity: Tensor  # (P,) v, a buffer from `setup_problem`
 
     def __init__(self, server_momentum: float = 0.9, **kwargs) -> None:
         super().__init__(**kwargs)

@@ -81,6 +81,7 @@ class GaussianMoments:
             outer = means[:, :, None] * means[:, None, :]
             class_cov = ((class_second_moments - counts[:, None, None] * outer)
                          / (counts - 1).clamp_min(1)[:, None, None])
+            assert moments.pooled_cov is not None  # (B formed from the S_c above)
             moments.class_cov = torch.where(single[:, None, None], moments.pooled_cov, class_cov)
         if class_square_sums is not None:
             scatter = class_square_sums - counts[:, None] * means ** 2
@@ -115,6 +116,7 @@ def cholesky_or_explain(cov: Tensor, what: str) -> Tensor:
 # ---- closed-form heads: parameters and logits -------------------------------------------------
 def nb_diag_head(moments: GaussianMoments, shrinkage: float) -> dict[str, Tensor]:
     """-> nb_precision (C, d) = 1/v_c, nb_weight (C, d) = μ_c/v_c, nb_bias (C,)."""
+    assert moments.class_var is not None  # (the D_c or S_c were uploaded)
     var = shrink_diagonal(moments.class_var, shrinkage)
     precision = 1 / var
     bias = moments.log_prior - 0.5 * (torch.log(var) + moments.means ** 2 * precision).sum(1)
@@ -135,6 +137,7 @@ def linear_gaussian_head(means: Tensor, log_prior: Tensor, cov: Tensor,
 
 def lda_head(moments: GaussianMoments, shrinkage: float) -> dict[str, Tensor]:
     """-> lda_weight (d, C), lda_bias (C,)."""
+    assert moments.pooled_cov is not None  # (B or the S_c were uploaded)
     cov = shrink(moments.pooled_cov, shrinkage)
     weight, bias = linear_gaussian_head(moments.means, moments.log_prior, cov, "LDA's covariance")
     return {"lda_weight": weight, "lda_bias": bias}
@@ -142,6 +145,7 @@ def lda_head(moments: GaussianMoments, shrinkage: float) -> dict[str, Tensor]:
 
 def qda_head(moments: GaussianMoments, shrinkage: float) -> dict[str, Tensor]:
     """-> qda_mean (C, d), qda_cholesky (C, d, d) lower, qda_bias (C,) = log π_c − log|L_c|."""
+    assert moments.class_cov is not None  # (the S_c were uploaded)
     factor = cholesky_or_explain(shrink(moments.class_cov, shrinkage), "a class covariance of QDA")
     half_log_det = torch.log(factor.diagonal(dim1=-2, dim2=-1)).sum(-1)
     return {"qda_mean": moments.means, "qda_cholesky": factor,
@@ -263,6 +267,13 @@ class ProtoHyperHead(SyntheticHead):
     NB_f(z)_c = log π_c − ½‖z − μ_c‖²/σ² − (k/2) log σ² with σ² = tr(Σ_f)/k;
     LDA_f(z)_c = zᵀΣ_f⁻¹μ_c − ½μ_cᵀΣ_f⁻¹μ_c + log π_c. (n, k) -> (n, C).
     """
+
+    schedule: ProtoHyperTraining  # with its rank and distillation
+    means: Tensor  # (C, k)
+    log_prior: Tensor  # (C,)
+    variance: Tensor  # () σ²
+    lda_weight: Tensor  # (k, C)
+    lda_bias: Tensor  # (C,)
 
     def __init__(self, fisher_dim: int, num_classes: int, schedule: ProtoHyperTraining) -> None:
         super().__init__(schedule)

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from workbench.linalg import class_sums, counts_of, statistics_dtype
-from workbench.methods.base import GRAM, SUMMED, ClientHalf, Cohort, FederatedMethod, Metrics, Problem, Uploads
+from workbench.methods.base import GRAM, SUMMED, ClientHalf, Cohort, FederatedMethod, Metrics, Problem, Upload, Uploads
 from workbench.methods.gaussian_heads import (
     FisherMixHead,
     GaussianMoments,
@@ -109,6 +109,8 @@ class GHOFLClient(ClientHalf):
     """The clients: the per-class sums and the second moments the selected heads need, of their
     (sketched) features. The sketch comes from its seed (the round's broadcast); no state."""
 
+    sketch: Tensor  # (feature_dim, k), with sketch_dim (not saved)
+
     def __init__(self, problem: Problem, method: GHOFL) -> None:
         super().__init__(problem)
         self.stat_dtype, self.sketch_dim, self.sketch_seed = method.stat_dtype, method.sketch_dim, method.sketch_seed
@@ -147,7 +149,7 @@ class GHOFLClient(ClientHalf):
         for index, part in enumerate(cohort.batches()):
             x, labels = self.head_input(part.features), part.labels
             uploads["class_sums"] += class_sums(x, labels, num_classes).T
-            if self.sends_class_second_moments:  # a loop over classes, O(n·d²) in all
+            if sizes is not None:  # the class second moments: a loop over classes, O(n·d²) in all
                 by_class = x[torch.argsort(labels, stable=True)].split(sizes[index])
                 for c, members in enumerate(by_class):
                     if len(members):
@@ -182,6 +184,20 @@ class GHOFL(FederatedMethod):
     logit −∞, so they are never predicted.
     """
 
+    # buffers from `setup_problem`, d the (sketched) dimension: each selected closed-form head's (HEAD_BUFFERS)
+    nb_precision: Tensor  # (C, d)
+    nb_weight: Tensor  # (C, d)
+    nb_bias: Tensor  # (C,)
+    lda_weight: Tensor  # (d, C)
+    lda_bias: Tensor  # (C,)
+    qda_mean: Tensor  # (C, d)
+    qda_cholesky: Tensor  # (C, d, d) lower
+    qda_bias: Tensor  # (C,)
+    fedcgs_weight: Tensor  # (d, C)
+    fedcgs_bias: Tensor  # (C,)
+    sketch: Tensor  # (feature_dim, k), with sketch_dim (not saved)
+    class_present: Tensor  # (C,) bool
+    fisher_basis: Tensor  # (d, f), f found by the fit
 
     def __init__(self, heads: Sequence[str] = HEADS, primary_head: str | None = None,
                  shrinkage: float = 0.05, sketch_dim: int | None = None, sketch_seed: int = 0,
@@ -236,8 +252,8 @@ class GHOFL(FederatedMethod):
         self.sends_square_sums = not self.sends_class_second_moments and "nb_diag" in heads
         self.synthesis_uses_class_cov = self.sends_class_second_moments and s.covariance != "pooled"
 
-    @property
-    def uploads(self) -> dict:
+    @property  # read-only: it follows the selected heads
+    def uploads(self) -> dict[str, Upload]:  # type: ignore[override]
         """The sums and counts, and the second moments the selected heads need."""
         spec = {"class_sums": SUMMED, "class_counts": SUMMED}
         if self.sends_class_second_moments:
@@ -268,6 +284,8 @@ class GHOFL(FederatedMethod):
         self.register_buffer("fisher_basis", torch.zeros(side, 0, dtype=self.stat_dtype))
 
     def client_half(self) -> GHOFLClient:
+        if self.problem is None:
+            raise RuntimeError("GHOFL builds its clients once set up for a problem (`setup`)")
         return GHOFLClient(self.problem, self)
 
     def before_restore(self, state) -> None:
@@ -283,7 +301,8 @@ class GHOFL(FederatedMethod):
             if name in self.heads:
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(self.seed + offset)
-                    setattr(self, name, cls(fisher_dim, num_present, schedule))
+                    # each head's class comes with its own schedule, a pairing mypy cannot follow
+                    setattr(self, name, cls(fisher_dim, num_present, schedule))  # type: ignore[arg-type]
 
     # ---- server -----------------------------------------------------------------------------
     def head_input(self, features: Tensor) -> Tensor:
@@ -352,9 +371,11 @@ class GHOFL(FederatedMethod):
             raise ValueError("the Fisher subspace needs at least two classes with samples")
         s = self.synthesis
         means, log_prior = moments.means[present], moments.log_prior[present]
+        assert moments.pooled_cov is not None  # (the synthetic heads' uploads give B or the S_c)
         within = shrink(moments.pooled_cov, self.shrinkage)
         basis = fisher_subspace(means, log_prior.exp(), within, s.energy, s.max_dim)
         if self.synthesis_uses_class_cov:
+            assert moments.class_cov is not None  # (the S_c were uploaded)
             cov = moments.class_cov[present]
         else:
             cov = moments.pooled_cov.expand(len(means), -1, -1)

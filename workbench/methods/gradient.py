@@ -181,6 +181,13 @@ class GradientMethod(FederatedMethod):
     # the command line names the new key of a setting given the old way
     moved_settings = MappingProxyType({**MOVED_SETTINGS, **MOVED_VALUES})
 
+    # the analytic start's heads, buffers from `setup_problem` where `init_from` is enabled
+    start_weight: Tensor  # (width, C)
+    start_bias: Tensor  # (C,)
+    start_candidate_weight: Tensor  # (width, C)
+    start_candidate_bias: Tensor  # (C,)
+    start_temperature: Tensor  # ()
+
     def __init__(self, *, num_rounds: int = 20, architecture: Architecture = "mlp", hidden_dim: int = 256,
                  local: LocalTraining = LocalTraining(), sample_fraction: float = 1.0, server_lr: float = 1.0,
                  seed: int = 0, init_from: AnalyticStart = NO_START) -> None:
@@ -240,6 +247,8 @@ class GradientMethod(FederatedMethod):
         return new
 
     def client_half(self) -> GradientClient:
+        if self.problem is None:
+            raise RuntimeError(f"{type(self).__name__} builds its clients once set up for a problem (`setup`)")
         return self.client_class(self.problem, self)
 
     # ---- one round ----------------------------------------------------------------------------
@@ -288,6 +297,7 @@ class GradientMethod(FederatedMethod):
     def start_update(self, uploads: Uploads) -> Metrics:
         """Start round 0: the head (and the candidate) from the pooled sums; round 1: τ. The last
         layer takes the head / τ after each (the curve scores the analytic head from round 0 on)."""
+        assert self.problem is not None  # (set up before any round)
         start, classes, clients = self.init_from, self.problem.num_classes, self.problem.num_clients
         metrics: Metrics = {}
         if self.round == 0:

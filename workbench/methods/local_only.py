@@ -35,6 +35,8 @@ class LocalOnlyClient(ClientHalf):
     """The clients' own ridge heads. State: `heads` (num_served, d, C), W_k of each served client
     (zero until it has fitted)."""
 
+    heads: Tensor  # (num_served, d, C)
+
     def __init__(self, problem: Problem, method: LocalOnly) -> None:
         super().__init__(problem)
         self.gamma, self.stat_dtype = method.gamma, method.stat_dtype
@@ -90,6 +92,8 @@ class LocalOnly(FederatedMethod):
         return 0  # no communication: the clients only fit their heads, in `finish`
 
     def client_half(self) -> LocalOnlyClient:
+        if self.problem is None:
+            raise RuntimeError("LocalOnly builds its clients once set up for a problem (`setup`)")
         return LocalOnlyClient(self.problem, self)
 
     def forward(self, features: Tensor) -> Tensor:

@@ -137,7 +137,7 @@ class SnapshotGeometry:
             if side % grid_size:
                 raise ValueError(f"the snapshot side {side} (snapshot.resolution) must be a multiple of "
                                  f"snapshot.grid_size = {grid_size}")
-            self.snapshot_shape = (self.input_shape[0], side, side)
+            self.snapshot_shape: tuple[int, ...] = (self.input_shape[0], side, side)
         else:
             self.snapshot_shape = (cells, *self.input_shape)
         self.label_shape = (cells, num_classes)
@@ -147,7 +147,7 @@ class SnapshotGeometry:
     def synthetic_samples(self, snapshot: Tensor) -> Tensor:
         """F(Z): (..., *snapshot_shape) -> (..., M², *input_shape)."""
         if self.on_images:
-            return multi_grid(snapshot, self.grid_size, tuple(self.input_shape[1:]))
+            return multi_grid(snapshot, self.grid_size, (self.input_shape[1], self.input_shape[2]))
         return snapshot
 
     def snapshot_loss(self, params: dict[str, Tensor], snapshot: Tensor, labels: Tensor) -> Tensor:

@@ -89,6 +89,8 @@ class SCAFFOLD(GradientMethod):
     uploads = MappingProxyType({"delta_y": DELTA, "delta_c": DELTA})
     client_class = ScaffoldClient
 
+    control: Tensor  # (P,) c, a buffer from `setup_problem`
+
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         if self.local.momentum:
