@@ -69,11 +69,13 @@ def user_error(error: BaseException) -> BaseException | None:
     or raised while handling) that this package raised as a user error (a constructor's check
     that the config parser wrapped, a file not found), or None when `error` is a bug."""
     seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, USER_ERROR_TYPES) and _raised_here(error):
-            return error
-        error = error.__cause__ if error.__cause__ is not None or error.__suppress_context__ else error.__context__
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, USER_ERROR_TYPES) and _raised_here(current):
+            return current
+        current = (current.__cause__ if current.__cause__ is not None or current.__suppress_context__
+                   else current.__context__)
     return None
 
 
@@ -147,8 +149,9 @@ def condense_parse_error(message: str, choices: dict[str, list[str]], describe, 
         key, name = unknown.groups()
         return unknown_class_message(key, name, choices[key])
     option, group = _UNKNOWN_OPTION.search(message), _NOT_A_GROUP.search(message)
-    if option or group:
-        class_path, name = (option or group).groups()
+    found_option = option or group
+    if found_option:
+        class_path, name = found_option.groups()
         known, moved = describe(class_path)
         if name in moved:
             given = given or {}
@@ -162,10 +165,10 @@ def condense_parse_error(message: str, choices: dict[str, list[str]], describe, 
                     + f" Its settings: {', '.join(known)}")
     wrong = _WRONG_TYPE.search(message)
     if wrong:
-        key, name, kind, choices = wrong.groups()
+        key, name, kind, allowed = wrong.groups()
         value = _GIVEN_VALUE.search(message, wrong.end())
         given = f", got {value[1].strip()!r}" if value else ""
-        expected = f"one of {choices}" if choices is not None else _KINDS.get(kind, f"a {kind}")
+        expected = f"one of {allowed}" if allowed is not None else _KINDS.get(kind, f"a {kind}")
         return f"{key}.{name} must be {expected}{given}"
     kept = [line for line in message.splitlines() if line.strip() and not _NOISE.match(line)]
     return "\n".join(kept)

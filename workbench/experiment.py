@@ -29,7 +29,10 @@ import re
 import signal
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
@@ -102,7 +105,8 @@ class RoundCheckpoint(Callback):
         self.stopped_by: int | None = None
         self.path: Path | None = None
         self.superseded: Path | None = None  # the resumed fit's source (`retire`)
-        self._previous: dict[int, object] = {}
+        # the handlers replaced ({signal: what `signal.signal` returned}), put back by `_restore`
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | signal.Handlers | None] = {}
 
     def _handle(self, signum: int, frame) -> None:
         if self.stopped_by is not None:  # a second signal: stop now (Lightning's KeyboardInterrupt path)
@@ -131,6 +135,7 @@ class RoundCheckpoint(Callback):
             name = hook.split(":")[1] if ":" in hook else "SIGTERM"
             os.kill(os.getpid(), getattr(signal, name if name.startswith("SIG") else "SIG" + name))
         if self.every_round or self.stopped_by is not None:
+            assert self.path is not None  # set by on_train_start
             save_atomically(trainer, self.path)
             self.retire(trainer)
         if self.stopped_by is not None:
@@ -148,7 +153,8 @@ class RoundCheckpoint(Callback):
         record: dict = {}
         with contextlib.suppress(OSError, ValueError):  # how it had ended (its command) is kept
             record = json.loads(status.read_text())
-        record.update(status="continued", continued_in=str(self.path.parent))
+        # self.path is set by on_train_start, which a fit that trains no round may skip
+        record.update(status="continued", continued_in=str(self.path.parent))  # type: ignore[union-attr]
         write_text_atomically(status, json.dumps(record, indent=2) + "\n")
 
     def on_fit_end(self, trainer, pl_module) -> None:
@@ -188,7 +194,7 @@ def _describe(class_path: str) -> tuple[list[str], dict[str, str]]:
     for owner in inspect.getmro(cls):
         if "__init__" not in vars(owner):
             continue
-        parameters = inspect.signature(owner.__init__).parameters.values()
+        parameters = inspect.signature(vars(owner)["__init__"]).parameters.values()  # its own (checked above)
         names += [p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
                   and p.name != "self" and p.name not in names]
         if not any(p.kind is p.VAR_KEYWORD for p in parameters):
@@ -372,7 +378,9 @@ class WorkbenchCLI(LightningCLI):
     def fit(self, model, datamodule=None, **kwargs) -> None:
         """The rounds run in this process (Lightning's loop) or over Flower (`--engine flower`)."""
         if kwargs.get("ckpt_path") == "last":  # the newest of this run name's interrupted fits
-            here = Path(self.trainer.log_dir)
+            log_dir = self.trainer.log_dir
+            assert log_dir is not None  # the CSV logger's folder, or default_root_dir without loggers
+            here = Path(log_dir)
             kwargs["ckpt_path"] = str(newest_last_checkpoint(here.parent, exclude=here))
         if kwargs.get("ckpt_path") is not None:
             kwargs.setdefault("weights_only", False)  # our own files (they hold the data's settings)
@@ -404,7 +412,9 @@ class WorkbenchCLI(LightningCLI):
             raise SystemExit(128 + stopper.stopped_by)
         # Analytic fits take no optimizer steps, so Lightning's step-based checkpointing never
         # fires: the fitted model is saved here, for `test --ckpt_path`.
-        checkpoint = Path(self.trainer.log_dir) / "model.ckpt"
+        log_dir = self.trainer.log_dir
+        assert log_dir is not None  # the CSV logger's folder, or default_root_dir without loggers
+        checkpoint = Path(log_dir) / "model.ckpt"
         save_atomically(self.trainer, checkpoint)
         if stopper is not None:
             stopper.retire(self.trainer)

@@ -49,9 +49,10 @@ def _signature_hints(cls: type) -> dict[str, Any]:
     for owner in inspect.getmro(cls):
         if "__init__" not in vars(owner):
             continue
-        found = typing.get_type_hints(owner.__init__)
+        init = vars(owner)["__init__"]  # the class's own (checked above), as `owner.__init__` gives it
+        found = typing.get_type_hints(init)
         hints.update({name: hint for name, hint in found.items() if name not in hints})
-        parameters = inspect.signature(owner.__init__).parameters.values()
+        parameters = inspect.signature(init).parameters.values()
         if not any(p.kind is p.VAR_KEYWORD for p in parameters):
             break
     return hints

@@ -214,8 +214,7 @@ def load_sweep(path: str | Path) -> Sweep:
     if not isinstance(parameters, dict) or not parameters:
         raise ValueError(f"{path}: `parameters` must map CLI keys (data.alpha) to their values")
     command = spec.get("command")
-    tokens = isinstance(command, list) and all(isinstance(t, str) for t in command)
-    if not (tokens and "${args}" in command):
+    if not (isinstance(command, list) and all(isinstance(t, str) for t in command) and "${args}" in command):
         raise ValueError(f"{path}: `command` must be a list of strings, one token each, with "
                          "${args}: [${env}, python, -m, workbench, fit, --config, X.yaml, ${args}]")
     if "workbench" not in command:
@@ -391,6 +390,7 @@ def check_runs(sweep: Sweep, runs: list[dict[str, Any]],
         config, error = parse_config(cli_arguments(command_argv(sweep, flags, folder / "check")))
         if error is not None:
             return error, {}
+        assert config is not None  # parse_config gives one or the other
         configs.append(config)
     failures: dict[int, str] = {}
     for part in ("model", "data"):
@@ -401,8 +401,9 @@ def check_runs(sweep: Sweep, runs: list[dict[str, Any]],
             key = (config_index, own)
             if key not in errors:
                 errors[key] = construction_error(part, configs[config_index][part], list(own))
-            if errors[key] is not None:
-                failures.setdefault(i, errors[key])
+            found = errors[key]
+            if found is not None:
+                failures.setdefault(i, found)
     return None, failures
 
 
@@ -494,9 +495,9 @@ def run_sweep(sweep: Sweep, runs: list[dict[str, Any]], run_dir: Path,
         run_folder = folder / run_name(values)
         start = f"[{i}/{len(runs)}] {' '.join(value_labels(values))} ... "
         if i - 1 in refused:
-            status = {"params": values, "status": "failed", "returncode": None, "seconds": 0.0,
-                      "sweep": sweep.name, "metric": sweep.metric,
-                      "error": f"cannot be built: {refused[i - 1]}", "error_tail": []}
+            status: dict[str, Any] = {"params": values, "status": "failed", "returncode": None, "seconds": 0.0,
+                                      "sweep": sweep.name, "metric": sweep.metric,
+                                      "error": f"cannot be built: {refused[i - 1]}", "error_tail": []}
             run_folder.mkdir(parents=True, exist_ok=True)
             _write_status(run_folder, status)
             print(f"{start}FAILED, not started: {status['error']}", flush=True)

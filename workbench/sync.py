@@ -38,7 +38,8 @@ def _wandb_hosts() -> list[str]:
     except Error:  # a malformed file configures nothing
         return ["api.wandb.ai"]
     base_url = settings.get("default", "base_url", fallback="")
-    return ["api.wandb.ai", *([urlparse(base_url).hostname] if urlparse(base_url).hostname else [])]
+    host = urlparse(base_url).hostname
+    return ["api.wandb.ai", *([host] if host else [])]
 
 
 def offline_runs(folders: list[str | Path], include_synced: bool = False) -> list[Path]:

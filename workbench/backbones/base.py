@@ -11,6 +11,7 @@ import dataclasses
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -129,7 +130,7 @@ def with_preprocessing(
     std: Sequence[float] | None = None,
 ) -> Backbone:
     """Returns `backbone` with the given preprocessing fields replaced (None keeps the default)."""
-    changes: dict[str, object] = {}
+    changes: dict[str, Any] = {}
     if input_size is not None:
         changes["input_size"] = _check_input_size(input_size)
         cfg = getattr(getattr(backbone.model, "net", None), "pretrained_cfg", None) or {}
@@ -157,4 +158,4 @@ def _check_rgb(field: str, values: Sequence[float], positive: bool = False) -> R
         raise ValueError(f"{field} must be 3 finite floats (R, G, B), got {values!r}")
     if positive and min(rgb) <= 0:
         raise ValueError(f"{field} must be positive, got {values!r}")
-    return rgb  # type: ignore[return-value]
+    return rgb

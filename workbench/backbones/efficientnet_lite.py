@@ -97,7 +97,7 @@ def package_to_timm_state_dict(
     """
     flat_blocks = [
         (stage_index, block_index, hasattr(block, "conv_pwl"))
-        for stage_index, stage in enumerate(net.blocks)
+        for stage_index, stage in enumerate(net.blocks)  # type: ignore[arg-type]  # timm's nn.Sequential of stages
         for block_index, block in enumerate(stage)
     ]
     mapped: dict[str, torch.Tensor] = {}

@@ -25,11 +25,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
-from workbench.backbones.base import pooled_feature_dim
+from workbench.backbones.base import FrozenFeatureExtractor, pooled_feature_dim
+
+if TYPE_CHECKING:
+    from workbench.backbones.text import FrozenTextEncoder
 
 PRESETS = ("all_stages",)
 
@@ -102,7 +106,7 @@ def _pool_tokens(tokens: Tensor, net: nn.Module) -> Tensor:
 class MultiDepthImageExtractor(nn.Module):
     """A frozen image network -> [pooled chosen layers..., final pooled vector], one pass."""
 
-    def __init__(self, frozen: nn.Module, layers: tuple[str, ...]):
+    def __init__(self, frozen: FrozenFeatureExtractor, layers: tuple[str, ...]):
         super().__init__()
         self.frozen, self.layers = frozen, layers
         self._pooled: dict[str, Tensor] = {}
@@ -133,7 +137,7 @@ class MultiDepthImageExtractor(nn.Module):
 class MultiDepthTextEncoder(nn.Module):
     """A frozen text encoder -> [pooled hidden states of chosen layers..., final features]."""
 
-    def __init__(self, encoder: nn.Module, layers: tuple[str, ...]):
+    def __init__(self, encoder: FrozenTextEncoder, layers: tuple[str, ...]):
         super().__init__()
         self.encoder, self.layers = encoder, tuple(int(i) for i in layers)
         self.requires_grad_(False)

@@ -19,8 +19,7 @@ from workbench.registry import Modality, Registry
 class BackboneBuilder(Protocol):
     """Image builders take the three keywords; text builders also `max_length` and `pooling`."""
 
-    def __call__(self, *, pretrained: bool, weights_path: str | None, seed: int,
-                 **options: Any) -> Any: ...
+    def __call__(self, *, pretrained: bool, weights_path: str | None, seed: int) -> Any: ...
 
 
 BACKBONES: Registry[BackboneBuilder] = Registry("backbone")
@@ -102,7 +101,7 @@ def build_backbone(
             f"to load it, or drop weights_path for a random init"
         )
     modality = backbone_modality(name)
-    image_options = {"input_size": input_size, "mean": mean, "std": std}
+    image_options: dict[str, Any] = {"input_size": input_size, "mean": mean, "std": std}
     text_options = {"max_length": max_length, "pooling": pooling}
     foreign = image_options if modality == "text" else text_options
     if any(value is not None for value in foreign.values()):

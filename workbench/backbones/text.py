@@ -265,7 +265,8 @@ def check_pooling(name: str, pooling: str, poolings: tuple[str, ...]) -> str:
 def make_text_backbone(name: str, net: nn.Module, tokenizer: Any, weights_id: str,
                        max_length: int | None, pooling: str, normalize: bool) -> TextBackbone:
     """Checks max_length against the model's positions and freezes it."""
-    limit = getattr(net.config, "max_position_embeddings", None) or getattr(net.config, "n_positions", None)
+    config: Any = net.config  # transformers' PretrainedConfig (nn.Module types attributes as Tensor | Module)
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if max_length is None:
         max_length = min(DEFAULT_MAX_LENGTH, int(limit or DEFAULT_MAX_LENGTH))
     if isinstance(max_length, bool) or int(max_length) != max_length or max_length < 2:
@@ -274,7 +275,7 @@ def make_text_backbone(name: str, net: nn.Module, tokenizer: Any, weights_id: st
         raise ValueError(f"max_length {max_length} exceeds what '{name}' accepts ({limit} tokens)")
     net.eval()
     return TextBackbone(name=name, model=FrozenTextEncoder(net, pooling, normalize),
-                        tokenizer=tokenizer, feature_dim=int(net.config.hidden_size),
+                        tokenizer=tokenizer, feature_dim=int(config.hidden_size),
                         max_length=int(max_length), pooling=pooling, normalize=normalize,
                         weights_id=weights_id, tokenizer_id=tokenizer_id(tokenizer))
 
@@ -327,9 +328,10 @@ def build_gpt2(name: str, *, pretrained: bool, weights_path: str | None, seed: i
     with hub_access() if weights_path is None else contextlib.nullcontext() as offline:
         tokenizer = load_tokenizer(source, name, what_to_do, offline)
         net, weights_id = load_net(source, name, pretrained, seed, what_to_do, offline)
-    if net.config.model_type != "gpt2":
+    config: Any = net.config  # transformers' PretrainedConfig (nn.Module types attributes as Tensor | Module)
+    if config.model_type != "gpt2":
         raise BackboneWeightsError(
-            f"weights_path '{weights_path}' holds a '{net.config.model_type}' model, which does "
+            f"weights_path '{weights_path}' holds a '{config.model_type}' model, which does "
             f"not fit backbone '{name}'; point weights_path at a GPT-2 model directory")
     return make_text_backbone(name, net, tokenizer, weights_id, max_length, pooling,
                               normalize=False)

@@ -100,7 +100,7 @@ def hub_failure_message(name: str, error: BaseException, offline: str | None) ->
 
 
 def hub_weights_id(net: nn.Module) -> str:
-    cfg = net.pretrained_cfg
+    cfg: dict[str, Any] = net.pretrained_cfg  # type: ignore[assignment]  # set by timm, a plain attribute
     tag = f".{cfg['tag']}" if cfg.get("tag") else ""
     return f"timm:{cfg['architecture']}{tag}"
 

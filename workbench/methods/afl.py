@@ -118,6 +118,13 @@ class AFL(FederatedMethod):
     uploads = MappingProxyType({"gram": GRAM, "cross": SUMMED, **SELECTION_UPLOADS})
     ridge_setting = "gamma_out"  # the setting of the final solve's ridge, named in its errors
 
+    # buffers from `setup_problem`
+    weight: Tensor  # (d [+1], C)
+    pooled_gram: Tensor  # (d [+1], d [+1])
+    pooled_cross: Tensor  # (d [+1], C)
+    pooled_clients: Tensor  # () int64
+    selected_gamma_out: Tensor  # ()
+
     def __init__(self, gamma: float = 1.0, gamma_out: float = 0.0, bias: bool = False,
                  dtype: str = "float64", gamma_grid: Sequence[float] | None = None, holdout_fraction: float = 0.1,
                  seed: int = 0) -> None:
@@ -155,6 +162,8 @@ class AFL(FederatedMethod):
         return problem.feature_dim + int(self.bias)
 
     def client_half(self) -> AFLClient:
+        if self.problem is None:
+            raise RuntimeError(f"{type(self).__name__} builds its clients once set up for a problem (`setup`)")
         return AFLClient(self.problem, self)
 
     def check_data(self, data) -> None:
@@ -177,7 +186,8 @@ class AFL(FederatedMethod):
 
     def broadcast(self) -> dict[str, Tensor]:
         """γ's scoring round carries one candidate W per γ of the grid: (Γ, d [+1], C)."""
-        return {"candidates": self._candidates} if self.round == 1 and len(self.gamma_grid) > 1 else {}
+        # `_candidates` is set by round 0's `server_update` (not a buffer: a fit resumed before round 1 lacks it)
+        return {"candidates": self._candidates} if self.round == 1 and len(self.gamma_grid) > 1 else {}  # type: ignore[dict-item]
 
     def server_update(self, uploads: Uploads, num_clients: float) -> Metrics:
         if self.round == 1 and len(self.gamma_grid) > 1:  # the hold-out scores: keep the best γ_out

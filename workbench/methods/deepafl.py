@@ -97,8 +97,9 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as nnf
@@ -212,10 +213,29 @@ def register_random_layers(module: nn.Module, seed: int, feature_dim: int, hidde
     module.register_buffer("block_bias", block_bias, persistent=persistent)      # b_t (T, f)
 
 
-class ResidualNetwork:
+if TYPE_CHECKING:  # a mixin of modules: typed as one, a plain class at run time
+    _ModuleMixin = nn.Module
+else:
+    _ModuleMixin = object
+
+
+class ResidualNetwork(_ModuleMixin):
     """The residual network Φ_t, shared by the server half (its forward) and the client half (its
     uploads): needs the buffers of `register_random_layers`, `omega` (T, f, h), its factors
     `omega_left` (T, f, r) and `omega_right` (T, h, r), `activation` and `stat_dtype`."""
+
+    hidden_dim: int  # h
+    block_dim: int  # f
+    stat_dtype: torch.dtype
+    activation: Callable[[Tensor], Tensor]  # σ
+    # buffers of `register_random_layers` and `register_omega`
+    input_weight: Tensor  # A₀ (d, h)
+    input_bias: Tensor  # a₀ (h,)
+    block_weight: Tensor  # B_t (T, h, f)
+    block_bias: Tensor  # b_t (T, f)
+    omega_left: Tensor  # L_t (T, f, r)
+    omega_right: Tensor  # U_t (T, h, r)
+    omega: Tensor  # Ω_t (T, f, h)
 
     @property
     def factored(self) -> bool:
@@ -292,6 +312,12 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
     saved state, as its factors where it travels as them) and Φ_{t−1} of every sample they serve
     (`phi`, a cache rebuilt when missing)."""
 
+    # caches from `setup_state` (not saved); `hidden`, `hidden_layer` in the fused schedule only
+    phi: Tensor  # (num_samples, h) Φ
+    phi_depth: Tensor  # (num_samples,) int64, −1: not computed
+    hidden: Tensor  # (num_samples, f) F_t
+    hidden_layer: Tensor  # (num_samples,) int64, −1: none
+
     def __init__(self, problem: Problem, method: DeepAFL) -> None:
         super().__init__(problem)
         self.num_layers, self.hidden_dim, self.block_dim = method.num_layers, method.hidden_dim, method.block_dim
@@ -355,14 +381,14 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
             raise ValueError(f"the server's DeepAFL seed {int(broadcast['seed'])} differs from this client's "
                              f"{self.seed}: build the clients from the same DeepAFL settings as the server")
 
-    def _fused_sources(self, cohort: Cohort, layer: int) -> list[tuple[bool, bool]]:
+    def _fused_sources(self, cohort: Cohort, layer: int) -> list[tuple[bool, ...]]:
         """Per chunk, for `_fused_previous`: (Φ_{t−1} kept, Φ_{t−2} and F_{t−1} kept)."""
         rows, depth = cohort.sample_index.to(self.phi.device), layer - 1
         kept = self.phi_depth[rows] == depth
         one_back = (self.phi_depth[rows] == depth - 1) & (self.hidden_layer[rows] == depth) & (depth >= 1)
         return cohort.holds_per_batch(kept, one_back)
 
-    def _fused_previous(self, part: Cohort, rows: Tensor | slice, layer: int, sources: tuple[bool, bool]) -> Tensor:
+    def _fused_previous(self, part: Cohort, rows: Tensor | slice, layer: int, sources: tuple[bool, ...]) -> Tensor:
         """Φ_{t−1} for round t = `layer` of the fused schedule (`rows`: the chunk's in the caches): kept;
         or Φ_{t−2} + F_{t−1}Ω_{t−1} from the kept Φ_{t−2} and F_{t−1} (one product, F not recomputed);
         or rebuilt from the samples."""
@@ -396,13 +422,13 @@ class DeepAFLClient(ResidualNetwork, ClientHalf):
             add_gram_(hidden_gram, hidden)
             mixed.addmm_(phi.T, hidden)
             hidden_labels += class_sums(hidden, part.labels, classes)
-            if restate:
+            if gram is not None and cross is not None:  # restate
                 add_gram_(gram, phi)
                 cross += class_sums(phi, part.labels, classes)
         # FᵀY, not FᵀR = FᵀY − MᵀW_{t−1}: the server forms FᵀR from M (same bytes), and what one
         # sample adds to the uploads is then bounded without W_{t−1} (`statistics_sensitivity`)
         uploads = {"hidden_gram": hidden_gram, "hidden_labels": hidden_labels, "mixed": mixed}
-        if restate:
+        if gram is not None and cross is not None:  # restate
             uploads.update(gram=gram, cross=cross)
         return uploads, {}
 
@@ -483,6 +509,12 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
 
     uploads = MappingProxyType({"gram": GRAM, "cross": SUMMED, "hidden_gram": GRAM, "hidden_residual": SUMMED,
                "hidden_labels": SUMMED, "mixed": SUMMED})
+
+    # buffers from `setup_problem` (and ResidualNetwork's); `phi_gram`, `phi_cross` in the fused schedule only
+    classifier: Tensor  # W_t (T + 1, h, C)
+    omega_sent: Tensor  # (K,) int64, the Ω_t each client holds
+    phi_gram: Tensor  # G_t (h, h) in SOLVE_DTYPE
+    phi_cross: Tensor  # P_t (h, C) in SOLVE_DTYPE
 
     def __init__(self, num_layers: int = 20, hidden_dim: int = 1024, block_dim: int = 1024,
                  activation: str = "gelu", gamma: float = 1.0, gamma_s: float = 0.05, seed: int = 0,
@@ -570,6 +602,8 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
             self.register_buffer("phi_cross", torch.zeros(h, problem.num_classes, dtype=SOLVE_DTYPE))
 
     def client_half(self) -> DeepAFLClient:
+        if self.problem is None:
+            raise RuntimeError("DeepAFL builds its clients once set up for a problem (`setup`)")
         return DeepAFLClient(self.problem, self)
 
     def forward(self, features: Tensor) -> Tensor:
@@ -706,6 +740,7 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         """W_T, the classifier of the last depth, and the Ω_t some client lacks (`_with_omega`): Ω_T
         in `fused` (not sent before), and under cohort sampling those a client missed (every client
         receives the final model, sampled or not: all Ω_t when one never took part)."""
+        assert self.problem is not None  # (set up before any round)
         everyone = torch.arange(self.problem.num_clients, device=self.omega_sent.device)
         return self._with_omega({"classifier": self.classifier[self.depth]}, everyone, self.depth)
 
@@ -729,13 +764,14 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
         """Φ_depth of evaluation data (n, d) -> (n, h), one layer on from the previous depth's
         Φ when it is kept under `key` for the same data: evaluating every depth costs T layers,
         not T²/2."""
-        kept_depth, kept_features, phi = self._eval_phi.get(key, (None, None, None))
-        if kept_depth is not None and not _same_rows(kept_features, features):
-            kept_depth = None  # other data under the same key: start again
-        if kept_depth != depth:
-            phi = (self.next_features(phi, depth) if depth > 0 and kept_depth == depth - 1
-                   else self.features_at_depth(features, depth))
-            self._eval_phi[key] = (depth, features, phi)
+        kept = self._eval_phi.get(key)  # (depth, features, Φ)
+        if kept is not None and not _same_rows(kept[1], features):
+            kept = None  # other data under the same key: start again
+        if kept is not None and kept[0] == depth:
+            return kept[2]
+        phi = (self.next_features(kept[2], depth) if depth > 0 and kept is not None and kept[0] == depth - 1
+               else self.features_at_depth(features, depth))
+        self._eval_phi[key] = (depth, features, phi)
         return phi
 
     def logits(self, features: Tensor, cache_key: tuple | None = None) -> Tensor:
@@ -767,7 +803,9 @@ class DeepAFL(ResidualNetwork, FederatedMethod):
                      fit_metrics: dict[str, float]) -> list[tuple[int, dict[str, float]]]:
         """After a round that solved W_t (every fused round; every other two-round one): the test
         accuracy of depth t (step t), advancing the test set's Φ by one layer."""
-        if test_features is None or (not self.fused and self.round % 2 == 0):  # an Ω round: no new classifier
+        if test_features is None or test_labels is None:  # no test split
+            return []
+        if not self.fused and self.round % 2 == 0:  # an Ω round: no new classifier
             return []
         depth = self.depth
         if depth == 0:

@@ -60,10 +60,10 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from workbench.federation.codec import WireSize
 from workbench.linalg import (
@@ -119,10 +119,37 @@ EMBEDDING_SETTINGS = ("bucketing", "levels", "threshold_mode", "experts", "group
                       "seed", "stat_dtype", "digits_per_dim", "base", "vocab", "embedding_rows", "gamma_grid")
 
 
-class SparseEmbedding:
+if TYPE_CHECKING:  # a mixin of modules: typed as one, a plain class at run time
+    _ModuleMixin = nn.Module
+else:
+    _ModuleMixin = object
+
+
+class SparseEmbedding(_ModuleMixin):
     """Φ(x), shared by the server half (its forward) and the client half (its uploads): needs the
     settings `EMBEDDING_SETTINGS` and the buffers of `register_embedding` (`cut_points`,
     `digit_groups`, and `feature_mean`, `feature_std` when calibrated)."""
+
+    # the settings (EMBEDDING_SETTINGS)
+    bucketing: str
+    levels: int  # L
+    threshold_mode: str
+    experts: int  # E
+    group_size: int  # G
+    raw_features: bool
+    seed: int
+    stat_dtype: torch.dtype
+    digits_per_dim: int
+    base: int  # k
+    vocab: int  # V
+    embedding_rows: int  # E·V
+    gamma_grid: list[float]
+    # buffers of `register_embedding`; `feature_mean`, `feature_std` unless fixed, `feature_cuts` if quantile
+    cut_points: Tensor  # τ (T,)
+    digit_groups: Tensor  # (E, G) int64
+    feature_mean: Tensor  # (d,)
+    feature_std: Tensor  # (d,)
+    feature_cuts: Tensor  # (d, T), in z
 
     def register_embedding(self, feature_dim: int, persistent: bool) -> None:
         """τ (T,), the digit groups (E, G), and the calibration (d each, until set: mean 0, std 1)."""
@@ -239,6 +266,7 @@ class SAFLeClient(SparseEmbedding, ClientHalf):
         held = (client_holdout(cohort.labels, cohort.client_ids, cohort.clients, self.holdout_fraction, self.seed)
                 if len(self.gamma_grid) > 1 else None)
         if kind == "select":
+            assert held is not None  # (a select round only with a γ grid)
             return self._holdout_scores(cohort, held, broadcast["candidates"]), {}
         if self.solver == "cg":
             return self._rows(cohort, held), {}
@@ -389,9 +417,14 @@ class SAFLe(SparseEmbedding, FederatedMethod):
         holdout_fraction: the share of each client's rows (per class) held out to choose γ_out.
     """
 
-    uploads = MappingProxyType({"gram": GRAM, "cross": SUMMED,  # the solve round
+    uploads: Mapping[str, Upload] = MappingProxyType({"gram": GRAM, "cross": SUMMED,  # the solve round
                "feature_sum": SUMMED, "feature_square_sum": SUMMED, "count": SUMMED,  # the calibration round
                "histogram": SUMMED, **SELECTION_UPLOADS})  # the quantile round; choosing γ_out
+
+    # buffers from `setup_problem` (and SparseEmbedding's); `raw_weight` with raw_features only
+    embedding: Tensor  # W's E tables (E·V, C)
+    selected_gamma_out: Tensor  # ()
+    raw_weight: Tensor  # (d, C)
 
     def __init__(self, bucketing: Literal["binary_overlap", "onehot", "integer"] = "binary_overlap",
                  levels: int = 8, thresholds: Literal["fixed", "calibrated", "quantile"] = "fixed",
@@ -472,6 +505,8 @@ class SAFLe(SparseEmbedding, FederatedMethod):
             self.register_buffer("raw_weight", torch.zeros(feature_dim, num_classes, dtype=self.stat_dtype))
 
     def client_half(self) -> SAFLeClient:
+        if self.problem is None:
+            raise RuntimeError("SAFLe builds its clients once set up for a problem (`setup`)")
         return SAFLeClient(self.problem, self)
 
     # ---- rounds ------------------------------------------------------------------------------
@@ -484,6 +519,7 @@ class SAFLe(SparseEmbedding, FederatedMethod):
         if kind == "moments":
             return {}
         if kind == "select":
+            assert self._pending is not None  # (set by the solve round)
             message["candidates"] = self._pending["candidates"]
         return message
 
@@ -504,6 +540,7 @@ class SAFLe(SparseEmbedding, FederatedMethod):
             self.holdout_accuracy = uploads["holdout_correct"] / uploads["holdout_count"]
             self.selected_gamma_out.fill_(chosen)
             pending, self._pending = self._pending, None
+            assert pending is not None  # (set by the solve round)
             index = self.gamma_grid.index(chosen)
             return {**metrics, **self._solve(pending, chosen, pending["candidates"][index])}
         pending = self._gather_solve_round(uploads, num_clients)
@@ -513,7 +550,7 @@ class SAFLe(SparseEmbedding, FederatedMethod):
             return metrics
         return self._solve(pending, self.gamma_out)
 
-    def _gather_solve_round(self, uploads: dict[str, Tensor], num_clients: int) -> dict:
+    def _gather_solve_round(self, uploads: dict[str, Tensor], num_clients: float) -> dict:
         """The round's statistics: the pooled Gram without any γ (dense) or the pooled rows (cg)."""
         pending = {"cross": uploads["cross"], "holdout_cross": uploads.get("holdout_cross")}
         if self.solver == "dense":
@@ -548,12 +585,12 @@ class SAFLe(SparseEmbedding, FederatedMethod):
         classes = cross.shape[1]
         solution, iterations = multi_hot_ridge(design, cross.repeat(1, len(grid)), grid.repeat_interleave(classes),
                                                tolerance=self.cg_tolerance)
-        candidates = solution.view(-1, len(grid), classes).transpose(0, 1).contiguous()
-        return candidates, {"safle/cg_iterations_holdout": iterations}
+        stacked = solution.view(-1, len(grid), classes).transpose(0, 1).contiguous()
+        return stacked, {"safle/cg_iterations_holdout": iterations}
 
     def _solve(self, pending: dict, gamma_out: float, initial: Tensor | None = None) -> dict[str, float]:
         """W on all the rows with γ_out."""
-        metrics = {}
+        metrics: dict[str, float] = {}
         if self.solver == "dense":
             gram = pending["gram"]
             gram.diagonal().add_(gamma_out)

@@ -270,8 +270,8 @@ def table_columns(records: list[dict[str, Any]], metric: str, heads: list[str],
     # two rows (the table keeps each group's rows together; its id is a toggle away)
     identity = [{"key": key, "header": key, "kind": "count" if key == "K" else "text", "varies": varies(key),
                  "shown": varies(key)} for key in IDENTITY]
-    columns = [*identity[:2], {"key": "group", "header": "group", "kind": "text", "varies": several_groups,
-                               "shown": False}, *identity[2:]]
+    columns: list[dict[str, Any]] = [*identity[:2], {"key": "group", "header": "group", "kind": "text",
+                                                     "varies": several_groups, "shown": False}, *identity[2:]]
     columns += [{"key": key, "header": key, "kind": "config", "varies": True, "shown": True}
                 for key in config_keys if varies(key)]
     columns += [{"key": m.key, "header": m.header, "kind": m.kind, "varies": varies(m.key),
