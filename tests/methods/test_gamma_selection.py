@@ -138,3 +138,30 @@ def test_data_with_no_holdout_row_is_refused_before_the_fit(make):
     big = data(partition="iid", num_clients=4)
     LightningEngine(make(GRID)).check_data(big, fitting=True)
     assert client_holdout(big.train_labels, big.train_client_ids, torch.unique(big.train_client_ids), 0.1, 0).any()
+
+
+def test_a_fit_saved_between_afls_rounds_resumes_to_the_same_model():
+    """The candidates of round 0 are state (a checkpoint keeps them): a method restored from it
+    scores the same candidates in round 1 (a resumed fit sent none before)."""
+    dm = data(partition="dirichlet", alpha=0.5, num_clients=6)
+    problem = Problem((dm.feature_dim,), dm.num_classes, dm.num_clients)
+    method = AFL(gamma=1.0, gamma_grid=GRID)
+    method.setup(problem)
+    clients = [LocalClients(method, dm.train_features, dm.train_labels, dm.train_client_ids,
+                            torch.unique(dm.train_client_ids), 64)]
+    broadcast = method.broadcast()
+    upload, _ = clients[0].half.client_update(0, broadcast, clients[0].data)
+    method.finish_round(upload, 6)  # round 0, then "interrupted"
+    resumed = AFL(gamma=1.0, gamma_grid=GRID)
+    resumed.setup(problem)
+    resumed.load_state_dict(method.state_dict())
+    assert torch.equal(resumed.broadcast()["candidates"], method.broadcast()["candidates"])
+    fit_rounds(method, clients, 6)
+    fit_rounds(resumed, clients, 6)
+    assert float(resumed.selected_gamma_out) == float(method.selected_gamma_out)
+    assert torch.equal(resumed.weight, method.weight)
+    older = {name: value for name, value in method.state_dict().items() if name != "candidates"}
+    fresh = AFL(gamma=1.0, gamma_grid=GRID)  # a model saved before the candidates were kept loads
+    fresh.setup(problem)
+    fresh.load_state_dict(older)
+    assert torch.equal(fresh.weight, method.weight)

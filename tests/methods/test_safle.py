@@ -419,3 +419,16 @@ def test_multi_hot_ridge_solves_every_column_with_its_own_ridge_and_from_a_warm_
     assert multi_hot_ridge(design, rhs, shifts, tolerance=1e-10, initial=solution)[1] == 0  # already solved
     with pytest.raises(ValueError, match="ridge > 0"):
         multi_hot_ridge(design, rhs, torch.zeros(6, dtype=torch.float64))
+
+
+def test_a_fit_resumed_between_the_solve_and_select_rounds_says_what_is_lost():
+    dm = data(partition="dirichlet", alpha=0.3, num_clients=4)
+    method = set_up(SAFLe(gamma_grid=[0.01, 1.0], gamma=1.0, **SMALL), dm)
+    clients = local_clients(method, dm)
+    upload, _ = clients.half.client_update(0, method.broadcast(), clients.data)
+    method.finish_round(upload, 4)  # the solve round, then "interrupted"
+    assert method.round_kinds[method.round] == "select"
+    resumed = set_up(SAFLe(gamma_grid=[0.01, 1.0], gamma=1.0, **SMALL), dm)
+    resumed.load_state_dict(method.state_dict())
+    with pytest.raises(RuntimeError, match=r"resumed between its solve and select rounds.*fit afresh"):
+        resumed.broadcast()

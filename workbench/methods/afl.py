@@ -124,6 +124,7 @@ class AFL(FederatedMethod):
     pooled_cross: Tensor  # (d [+1], C)
     pooled_clients: Tensor  # () int64
     selected_gamma_out: Tensor  # ()
+    candidates: Tensor  # (Γ, d [+1], C), with a gamma_grid
 
     def __init__(self, gamma: float = 1.0, gamma_out: float = 0.0, bias: bool = False,
                  dtype: str = "float64", gamma_grid: Sequence[float] | None = None, holdout_fraction: float = 0.1,
@@ -141,7 +142,6 @@ class AFL(FederatedMethod):
         self.gamma, self.gamma_out, self.bias = gamma, gamma_out, bias
         self.holdout_fraction, self.seed = holdout_fraction, seed
         self.stat_dtype = statistics_dtype(dtype)
-        self._candidates: Tensor | None = None
 
     def setup_problem(self, problem: Problem) -> None:
         side = self.design_dim(problem)
@@ -152,6 +152,16 @@ class AFL(FederatedMethod):
         self.register_buffer("pooled_cross", torch.zeros(side, num_classes, dtype=self.stat_dtype))
         self.register_buffer("pooled_clients", torch.zeros((), dtype=torch.long))
         self.register_buffer("selected_gamma_out", torch.tensor(float(self.gamma_out), dtype=self.stat_dtype))
+        if len(self.gamma_grid) > 1:  # round 0's candidate W per γ, scored in round 1 (a resumed fit keeps them)
+            self.register_buffer("candidates", torch.zeros(len(self.gamma_grid), side, num_classes,
+                                                           dtype=self.stat_dtype))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if prefix + "candidates" in missing_keys:  # a model saved before they were kept: read by round 1 only
+            missing_keys.remove(prefix + "candidates")
 
     @property
     def num_rounds(self) -> int:
@@ -186,14 +196,12 @@ class AFL(FederatedMethod):
 
     def broadcast(self) -> dict[str, Tensor]:
         """γ's scoring round carries one candidate W per γ of the grid: (Γ, d [+1], C)."""
-        # `_candidates` is set by round 0's `server_update` (not a buffer: a fit resumed before round 1 lacks it)
-        return {"candidates": self._candidates} if self.round == 1 and len(self.gamma_grid) > 1 else {}  # type: ignore[dict-item]
+        return {"candidates": self.candidates} if self.round == 1 and len(self.gamma_grid) > 1 else {}
 
     def server_update(self, uploads: Uploads, num_clients: float) -> Metrics:
         if self.round == 1 and len(self.gamma_grid) > 1:  # the hold-out scores: keep the best γ_out
             chosen, metrics = choose_gamma(self.gamma_grid, uploads, "afl")
             self.selected_gamma_out.fill_(chosen)
-            self._candidates = None
             self.weight = self.solve()
             return metrics
         self.pooled_gram = uploads["gram"] - num_clients * self.gamma * identity_like(uploads["gram"])
@@ -202,7 +210,7 @@ class AFL(FederatedMethod):
         if len(self.gamma_grid) > 1:  # one candidate per γ on the rows the clients did not hold out
             kept_gram = self.pooled_gram - uploads["holdout_gram"]
             kept_cross = self.pooled_cross - uploads["holdout_cross"]
-            self._candidates = torch.stack([
+            self.candidates = torch.stack([
                 solve_spd(kept_gram + value * identity_like(kept_gram), kept_cross,
                           what="AFL's Gram matrix without the hold-out rows") for value in self.gamma_grid])
             return {}

@@ -519,7 +519,10 @@ class SAFLe(SparseEmbedding, FederatedMethod):
         if kind == "moments":
             return {}
         if kind == "select":
-            assert self._pending is not None  # (set by the solve round)
+            if self._pending is None:  # (a buffer would double the memory of the largest statistic)
+                raise RuntimeError("SAFLe's fit was resumed between its solve and select rounds: the solve round's "
+                                   "statistics ((E·V)² numbers) are not kept in checkpoints, so its γ candidates "
+                                   "are gone: fit afresh, or give one gamma_out (no select round)")
             message["candidates"] = self._pending["candidates"]
         return message
 
