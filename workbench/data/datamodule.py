@@ -9,6 +9,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from lightning import LightningDataModule
+from lightning.fabric.utilities.data import AttributeDict
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
@@ -307,7 +308,7 @@ class FederatedDataModule(LightningDataModule):
             raise ValueError(f"data.partition={partition} partitions by the data's own client ids: use "
                              "data.dataset=hf and name the column in data.hf.client_column")
         if partition == "flower" and (not (flower or {}).get("partitioner")
-                                      or flower.get("by", "label") not in ("label", "client")):
+                                      or (flower or {}).get("by", "label") not in ("label", "client")):
             raise ValueError("data.partition=flower needs data.flower.partitioner, a Flower Datasets "
                              "partitioner name (e.g. linear, inner_dirichlet), its arguments in data.flower, "
                              f"and optionally by: label (default) or client; got {flower!r}")
@@ -316,7 +317,9 @@ class FederatedDataModule(LightningDataModule):
         else:
             check_inputs(dataset, inputs, backbone, cache_dir, hf)
         self.save_hyperparameters()
-        self.args = self.hparams
+        hparams = self.hparams
+        assert isinstance(hparams, AttributeDict)  # what save_hyperparameters stores
+        self.args = hparams
         self.synthetic = synthetic
         self.hf = hf
         self._natural_ids: Tensor | None = None  # dataset hf: the train rows' client-column ids
@@ -574,6 +577,7 @@ class FederatedDataModule(LightningDataModule):
             raise ValueError(f"data.partition={args.partition} partitions by client ids, and this data has "
                              "none: name the column in data.hf.client_column")
         keys = natural_ids if by_client else labels
+        assert keys is not None  # by client without natural ids raised above
         try:
             ids = assign_clients(keys.numpy(), args.partition, args.num_clients, seed=args.seed, **params)
         except ValueError as error:
@@ -587,7 +591,8 @@ class FederatedDataModule(LightningDataModule):
         """One item per epoch: an epoch is one communication round, and the engine reads the
         clients' training rows itself (`train_features`, `train_labels`, `train_client_ids`,
         ordered by client), whole clients per process."""
-        return DataLoader([{"round": torch.zeros((), dtype=torch.long)}], batch_size=None)
+        # a list is a map-style dataset (__getitem__ and __len__), which the stubs do not accept
+        return DataLoader([{"round": torch.zeros((), dtype=torch.long)}], batch_size=None)  # type: ignore[arg-type]
 
     @property
     def has_validation(self) -> bool:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import gzip
 import hashlib
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -118,7 +119,7 @@ class IdxFormatError(ValueError):
 
 
 # IDX type codes; multi-byte values are stored big-endian.
-_IDX_DTYPES = {
+_IDX_DTYPES: dict[int, np.dtype] = {
     0x08: np.dtype(np.uint8),
     0x09: np.dtype(np.int8),
     0x0B: np.dtype(">i2"),
@@ -312,7 +313,16 @@ def _load_fashion_mnist(data_dir: Path, download: bool) -> ImageDataset:
     )
 
 
-def _open_torchvision(name: str, data_dir: Path, open_split: Callable[[], object]) -> object:
+class _TorchvisionSplit(Protocol):
+    """What we read of a torchvision dataset object (one split of MNIST and the like)."""
+
+    data: np.ndarray | torch.Tensor
+    targets: Sequence[int] | torch.Tensor
+    classes: list[str]
+
+
+def _open_torchvision(name: str, data_dir: Path,
+                      open_split: Callable[[], _TorchvisionSplit]) -> _TorchvisionSplit:
     """Call torchvision's constructor, turning its "Dataset not found" into FileNotFoundError."""
     try:
         return open_split()
@@ -337,8 +347,8 @@ def _owned_split(images: np.ndarray | torch.Tensor, labels) -> ImageSplit:
 def _load_torchvision(
     name: str,
     data_dir: Path,
-    open_split: Callable[[bool], object],
-    to_split: Callable[[object], ImageSplit] = lambda raw: _owned_split(raw.data, raw.targets),
+    open_split: Callable[[bool], _TorchvisionSplit],
+    to_split: Callable[[_TorchvisionSplit], ImageSplit] = lambda raw: _owned_split(raw.data, raw.targets),
     classes: tuple[str, ...] | None = None,
 ) -> ImageDataset:
     """Load both splits with `open_split(train)` and convert each with `to_split`."""

@@ -36,7 +36,7 @@ import os
 import tempfile
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
@@ -337,6 +337,7 @@ def cached_features(backbone, inputs: Tensor | Sequence[str], labels: Tensor, *,
     """
     key, path = cache_file(backbone, labels, cache_dir=cache_dir, dataset=dataset, split=split, source=source,
                            precision=precision)
+    features: Tensor | None  # None until extracted, below
     if path.exists():
         try:
             features, checked = _read(path, key, labels, backbone.feature_dim)
@@ -346,7 +347,8 @@ def cached_features(backbone, inputs: Tensor | Sequence[str], labels: Tensor, *,
         except ValueError as why:
             warnings.warn(f"feature cache {path} is corrupt or mismatched ({why}); rebuilding it",
                           stacklevel=2)
-    extract = extract_text_features if is_text_backbone(backbone) else extract_features
+    # the kind of `inputs` (strings or images) follows the backbone's, which mypy cannot tie together
+    extract: Callable[..., Tensor] = extract_text_features if is_text_backbone(backbone) else extract_features
     features = None
     try:
         with replaced_atomically(path) as temporary:  # (its folder is made; check_writable ran first)

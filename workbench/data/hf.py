@@ -24,7 +24,7 @@ import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ INSTALL_HINT = "pip install -e '.[hf]'"
 SUFFIX_BUILDERS = {".csv": "csv", ".tsv": "csv", ".parquet": "parquet", ".json": "json",
                    ".jsonl": "json", ".arrow": "arrow"}
 IMAGE_MODES = {"L": 1, "RGB": 3}  # the two layouts an ImageSplit holds: (H, W) and (H, W, 3)
+OwnModality = Literal["image", "text", "features"]
 
 
 @dataclass(frozen=True)
@@ -75,11 +76,12 @@ class OwnData:
     image_size: int | None = None
     image_mode: str | None = None
 
-    def input_column(self) -> tuple[str, str]:
+    def input_column(self) -> tuple[OwnModality, str]:
         """(modality, column): `image`, `text` or `features`, and the column that holds it."""
-        chosen = [(kind, column) for kind, column in (("image", self.image_column),
-                                                       ("text", self.text_column),
-                                                       ("features", self.feature_column)) if column]
+        columns: tuple[tuple[OwnModality, str | None], ...] = (("image", self.image_column),
+                                                                ("text", self.text_column),
+                                                                ("features", self.feature_column))
+        chosen = [(kind, column) for kind, column in columns if column]
         if len(chosen) != 1:
             raise ValueError(
                 "data.hf needs exactly one input column: set data.hf.image_column (images), "
@@ -112,7 +114,7 @@ class OwnData:
         return "hf-" + Path(str(self.path).rstrip("/")).stem
 
 
-def own_modality(settings: OwnData) -> str:
+def own_modality(settings: OwnData) -> OwnModality:
     """`image`, `text` or `features`, known without loading anything."""
     return settings.input_column()[0]
 
@@ -319,7 +321,7 @@ def _images(split: Any, settings: OwnData, where: str) -> Tensor:
                          "resize them all to one square size (bilinear, aspect ratio not kept)")
     size = (settings.image_size, settings.image_size) if settings.image_size else sizes[0]
     arrays = [np.asarray((image if image.mode == mode else image.convert(mode))
-                         .resize(size, Image.BILINEAR) if image.size != size or image.mode != mode
+                         .resize(size, Image.Resampling.BILINEAR) if image.size != size or image.mode != mode
                          else image) for image in images]
     return torch.from_numpy(np.ascontiguousarray(np.stack(arrays)).astype(np.uint8, copy=False))
 
@@ -337,7 +339,7 @@ def _features(split: Any, column: str, where: str) -> Tensor:
     try:
         values = np.asarray(split.with_format("numpy")[column])
         if values.dtype == object:  # rows of different lengths stay a ragged object array
-            values = np.stack(values)
+            values = np.stack(list(values))
     except ValueError:
         raise ValueError(f"data.hf.feature_column {column!r} of {where} holds vectors of different "
                          "lengths: every row needs the same number of features") from None
@@ -370,7 +372,8 @@ def load_own_data(settings: OwnData, data_dir: str | Path) -> OwnDataset:
                          f"{sorted(splits)} (or leave test_split null for a seeded split)")
     train = splits[settings.train_split]
     needed = [c for c in (column, settings.label_column, settings.client_column) if c]
-    for name, split in ((settings.train_split, train), (test_name, splits.get(test_name))):
+    for name, split in ((settings.train_split, train),
+                        (test_name, None if test_name is None else splits.get(test_name))):
         if split is None:
             continue
         missing = [c for c in needed if c not in split.column_names]
@@ -421,12 +424,13 @@ def load_own_data(settings: OwnData, data_dir: str | Path) -> OwnDataset:
         raise ValueError(f"train features have {train_inputs.shape[1]} columns but test features "
                          f"{test_inputs.shape[1]}: both splits need features of the same model")
     classes = names or tuple(str(c) for c in range(num_classes))
-    client_ids, client_names = None, ()
+    client_ids: Tensor | None = None
+    client_names: tuple[str, ...] = ()
     if client_values is not None:
-        missing = [i for i, v in enumerate(client_values) if v is None]
-        if missing or client_values.dtype == object:  # None cells, or mixed types
-            raise ValueError(f"data.hf.client_column {settings.client_column!r} has {len(missing)} empty train "
-                             f"rows (e.g. rows {missing[:5]}) or mixes types: every row needs its client id, "
+        empty_rows = [i for i, v in enumerate(client_values) if v is None]
+        if empty_rows or client_values.dtype == object:  # None cells, or mixed types
+            raise ValueError(f"data.hf.client_column {settings.client_column!r} has {len(empty_rows)} empty train "
+                             f"rows (e.g. rows {empty_rows[:5]}) or mixes types: every row needs its client id, "
                              "all integers or all strings")
         unique, inverse = np.unique(client_values, return_inverse=True)  # ids in sorted order
         client_ids, client_names = torch.from_numpy(inverse.astype(np.int64)), tuple(map(str, unique))
@@ -434,6 +438,7 @@ def load_own_data(settings: OwnData, data_dir: str | Path) -> OwnDataset:
     source = _identity(settings, getattr(train, "_fingerprint", ""))
     name = settings.cache_name()
     labels_t = (torch.from_numpy(train_labels), torch.from_numpy(test_labels))
+    data: ImageDataset | TextDataset | _Features
     if kind == "image":
         data = ImageDataset(name, ImageSplit(train_inputs, labels_t[0]), ImageSplit(test_inputs, labels_t[1]),
                             classes, source)
