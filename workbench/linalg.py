@@ -8,11 +8,12 @@ import torch
 from torch import Tensor
 
 
-def stream_generator(seed: int, stream: int) -> torch.Generator:
-    """The CPU generator of random stream `stream` of `seed` (numpy's SeedSequence of the pair):
-    the same numbers on every machine, and the streams of one seed independent of each other. A
-    random map drawn from it is rebuilt from its seed alone (8 bytes on the wire, never the matrix)."""
-    state = int(np.random.SeedSequence([seed, stream]).generate_state(1, np.uint64)[0])
+def stream_generator(seed: int, *stream: int) -> torch.Generator:
+    """The CPU generator of random stream `stream` of `seed` (numpy's SeedSequence of the numbers,
+    e.g. (seed, round, stream)): the same numbers on every machine and process, and the streams of
+    one seed independent of each other. A random map drawn from it is rebuilt from its seed alone
+    (8 bytes on the wire, never the matrix)."""
+    state = int(np.random.SeedSequence([seed, *stream]).generate_state(1, np.uint64)[0])
     return torch.Generator().manual_seed(state)
 
 

@@ -313,7 +313,7 @@ def print_summary(trainer, engine, checkpoint: Path | None = None,
         f"bytes up          {_megabytes(metrics.get('comm/bytes_up', 0))} in all, "
         f"{_megabytes(metrics.get('comm/bytes_up_per_client', 0))} per client",
         f"bytes down        {_megabytes(metrics.get('comm/bytes_down', 0))}",
-        *([f"protocol          {' → '.join(stages)}"] if (stages := engine.pipeline.describe()) else []),
+        *([f"protocol          {line}"] if (line := engine.pipeline.line()) else []),
         *([f"screen            {int(metrics['screen/rejected_total'])} uploads rejected, from "
            f"{int(metrics['screen/clients_rejected'])} clients (each left out from its first rejection on)"]
           if "screen/rejected_total" in metrics else []),

@@ -84,8 +84,9 @@ class LocalClients:
         (dropped: they compute, their uploads never arrive)."""
         if request.pipeline != self.pipeline:  # its client hooks ran on these clients' rows, and run on their uploads
             raise ValueError(f"these in-process clients were built under another protocol "
-                             f"({self._named(self.pipeline)}) than the fit's ({self._named(request.pipeline)}): "
-                             "build LocalClients with the fit's federation and stages")
+                             f"({self.pipeline.line() or 'none of its parts'}) than the fit's "
+                             f"({request.pipeline.line() or 'none of its parts'}): build LocalClients with the "
+                             "fit's federation and stages")
         replies, secure = Replies(), request.secure
         start = time.perf_counter()
         mine = self._mine(request.survivors)
@@ -138,10 +139,6 @@ class LocalClients:
         assert message is not None
         return Calibration(layout_of(message.uploads), message.bytes_up, seconds,
                            int(self.ends[client] - self.starts[client]))
-
-    @staticmethod
-    def _named(pipeline: Pipeline) -> str:
-        return " → ".join(pipeline.describe()) or "none of its parts"
 
     def _mine(self, clients: Tensor) -> Tensor:
         return clients[torch.isin(clients, self.served.to(clients.device))]

@@ -204,13 +204,17 @@ class FitProtocol:
     across rounds (client-level DP's clip norm, the ε accounting: `FitPrivacy`; the simulated
     clock, if the clients have systems profiles: `SimulatedClock`; the clients the screen rejected)."""
 
-    federation: Federation
     privacy: FitPrivacy
     pipeline: Pipeline
     setting: Setting
     clock: SimulatedClock | None = None
     #: the clients the screen has rejected in this fit, left out of every later round
     rejected: set[int] = field(default_factory=set)
+
+    @property
+    def federation(self) -> Federation:
+        """The settings the pipeline was built from."""
+        return self.pipeline.federation
 
     @classmethod
     def start(cls, method: FederatedMethod, federation: Federation, population: int,
@@ -222,8 +226,7 @@ class FitProtocol:
         norm, `rejected`: the clients its screen had rejected. Refuses a fit over its privacy budget."""
         pipeline, setting = cls.check(method, federation, population, clock.systems if clock is not None else None,
                                       in_process, remote, stages)
-        return cls(federation, FitPrivacy(method, federation, population, clip_norm), pipeline, setting, clock,
-                   set(rejected))
+        return cls(FitPrivacy(method, federation, population, clip_norm), pipeline, setting, clock, set(rejected))
 
     @staticmethod
     def check(method: FederatedMethod, federation: Federation, population: int, systems: Systems | None = None,

@@ -32,12 +32,10 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, replace
 
-import numpy as np
-import torch
-
 from workbench.federation import codec
 from workbench.federation.privacy import add_gaussian_noise, gaussian_epsilon
 from workbench.federation.stages import Incoming, Outgoing, Setting, Stage
+from workbench.linalg import stream_generator
 
 LOCAL_NOISE_STREAM = 5  # (beside the federation's streams of one round, `protocol.DROPOUT_STREAM` ...)
 
@@ -82,7 +80,7 @@ class LocalNoise(Stage):
 
     def client_send(self, outgoing: Outgoing) -> Outgoing:
         seed = self.seed if self.seed is not None else outgoing.federation.seed
-        generator = self._generator(seed, outgoing.round_index, int(outgoing.clients[0]))
+        generator = stream_generator(seed, outgoing.round_index, LOCAL_NOISE_STREAM, int(outgoing.clients[0]))
         mine = {name: outgoing.uploads[name] for name in outgoing.spec if name in outgoing.uploads}
         noised = add_gaussian_noise(mine, self.sigma * len(outgoing.clients) ** 0.5, generator,
                                     symmetric=codec.symmetric_names(outgoing.spec))
@@ -94,9 +92,3 @@ class LocalNoise(Stage):
             return incoming
         epsilon = gaussian_epsilon(self.sigma / rounds ** 0.5, sensitivity, incoming.setting.federation.dp_delta)
         return replace(incoming, metrics={**incoming.metrics, "privacy/local_epsilon": epsilon})
-
-    @staticmethod
-    def _generator(seed: int, round_index: int, first_client: int) -> torch.Generator:
-        state = np.random.SeedSequence([seed, round_index, LOCAL_NOISE_STREAM, first_client]).generate_state(
-            1, np.uint64)[0]
-        return torch.Generator().manual_seed(int(state))

@@ -45,17 +45,17 @@ from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
+from workbench.linalg import stream_generator
+
 
 def client_generator(seed: int, client: int) -> torch.Generator:
     """The CPU generator of one client's stream under `seed`: the same wherever the client runs."""
-    state = np.random.SeedSequence([seed, client]).generate_state(1, np.uint64)[0]
-    return torch.Generator().manual_seed(int(state))
+    return stream_generator(seed, client)
 
 
 def minibatch_schedule(

@@ -49,11 +49,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from workbench.federation.robust import AGGREGATIONS
+from workbench.linalg import stream_generator
 
 # Independent random streams of one round, derived from (seed, round, stream). The pairwise masks
 # of secure aggregation derive theirs from (seed, round, client pair).
@@ -267,8 +267,7 @@ class Federation:
 
     def generator(self, round_index: int, stream: int) -> torch.Generator:
         """The CPU generator of one random stream of one round: the same on every process."""
-        state = np.random.SeedSequence([self.seed, round_index, stream]).generate_state(1, np.uint64)[0]
-        return torch.Generator().manual_seed(int(state))
+        return stream_generator(self.seed, round_index, stream)
 
     def adversaries(self, num_clients: int) -> Tensor:
         """(K,) bool: the round(adversary_fraction · K) adversarial clients, the same every round."""

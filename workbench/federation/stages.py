@@ -497,6 +497,10 @@ class Pipeline:
         """Each stage's description, in round order (none: every upload summed as sent)."""
         return [described for stage in self.stages if (described := stage.describe())]
 
+    def line(self) -> str:
+        """The descriptions on one line, `a → b` ("" for none)."""
+        return " → ".join(self.describe())
+
     def get(self, kind: type[Stage]) -> Stage | None:
         return next((stage for stage in self.stages if isinstance(stage, kind)), None)
 
@@ -545,9 +549,9 @@ class Pipeline:
         outgoing = replace(outgoing, federation=self.federation)
         for stage in self.stages:
             outgoing = stage.client_update(outgoing)
-        sent = self.wire(outgoing.spec)
-        uploads = {name: value.sum(0) if name in codec.model_update_names(outgoing.spec) and not sent[name].stacked
-                   else value for name, value in outgoing.uploads.items()}
+        sent, updates = self.wire(outgoing.spec), codec.model_update_names(outgoing.spec)
+        uploads = {name: value.sum(0) if name in updates and not sent[name].stacked else value
+                   for name, value in outgoing.uploads.items()}
         outgoing = replace(outgoing, uploads=uploads, wire=sent)
         for stage in self.stages:
             outgoing = stage.client_send(outgoing)

@@ -44,12 +44,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from workbench.console import RunOutcome
 from workbench.federation.protocol import Federation
+from workbench.linalg import stream_generator
 
 # random streams of the clock, beside the protocol's (`protocol.DROPOUT_STREAM` …)
 PROFILE_STREAM, AVAILABILITY_STREAM = 10, 11
@@ -200,12 +200,6 @@ def check_systems(systems: Systems, federation: Federation, in_process: bool = T
                          "over_select unset (Flower's real deadline is flower.deadline_s)")
 
 
-def generator(seed: int, *stream: int) -> torch.Generator:
-    """The CPU generator of one stream of the clock, the same on every process."""
-    state = np.random.SeedSequence([seed, *stream]).generate_state(1, np.uint64)[0]
-    return torch.Generator().manual_seed(int(state))
-
-
 @dataclass(frozen=True)
 class ClientProfiles:
     """Every client's link and device, (K,) float64 each: bits per second down and up, round-trip
@@ -221,7 +215,7 @@ class ClientProfiles:
         """The K clients' profiles: the medians times exp(spread · z), z ~ N(0, 1) drawn from
         `systems.seed` (one z for the link, one for the device)."""
         p = systems.profile()
-        z = torch.randn(2, num_clients, generator=generator(systems.seed, PROFILE_STREAM), dtype=torch.float64)
+        z = torch.randn(2, num_clients, generator=stream_generator(systems.seed, PROFILE_STREAM), dtype=torch.float64)
         link, device = torch.exp(p.spread * z[0]), torch.exp(p.spread * z[1])
         return cls(down_bps=p.down_mbps * 1e6 * link, up_bps=p.up_mbps * 1e6 * link,
                    rtt_s=torch.full((num_clients,), p.rtt_ms / 1e3, dtype=torch.float64), speed=p.speed * device)
@@ -256,7 +250,8 @@ class SimulatedClock:
         p = self.systems.availability
         if p == 1:
             return available
-        draws = torch.rand(len(self.rows), generator=generator(self.systems.seed, AVAILABILITY_STREAM, round_index))
+        stream = stream_generator(self.systems.seed, AVAILABILITY_STREAM, round_index)
+        draws = torch.rand(len(self.rows), generator=stream)
         online = available[(draws < p).to(available.device)[available]]
         if len(online) == 0:
             raise EveryClientOffline(f"round {round_index}: no client is online (systems.availability = {p}, "
