@@ -85,7 +85,13 @@ def test_a_method_named_in_the_wrong_case_gets_its_spelling(capsys, tmp_path):
 
 def test_a_setting_of_workbench_0_2_names_its_new_key(capsys, tmp_path):
     err = refused(capsys, tmp_path / "runs", *SYNTHETIC, "--model=FedAvg", "--model.lr=0.1")
-    assert "FedAvg's settings are grouped since workbench 0.3: model.lr is now model.local.lr" in err
+    assert "FedAvg's settings moved in workbench 0.3: model.lr is now model.local.lr" in err
+
+
+@pytest.mark.parametrize("given", ["--model.compression.kind=topk", "--model.compression=topk"])
+def test_the_compression_given_to_the_method_names_its_place_in_the_protocol(capsys, tmp_path, given):
+    err = refused(capsys, tmp_path / "runs", *SYNTHETIC, "--model=FedAvg", given)
+    assert "model.compression is now federation.compression" in err, err
 
 
 def test_a_config_in_the_flat_layout_has_every_moved_key_named(capsys, tmp_path):

@@ -99,7 +99,8 @@ def print_user_error(error: BaseException, file=None) -> None:
 _NOISE = re.compile(r"^\s*(- )?(Expected a <class 'NoneType'>|Does not validate against any of the Union "
                     r"subtypes|Subtypes: |Errors:|Given value type: |Given value: |Expected a path but )")
 _UNKNOWN_CLASS = re.compile(r"Parser key \"(model|data)\".*?Expected a dot import path string: (\S+)", re.S)
-_UNKNOWN_OPTION = re.compile(r"class_path '([\w.]+)':\s*Option '(\w+)' is not accepted")
+_UNKNOWN_OPTION = re.compile(r"class_path '([\w.]+)':\s*(?:Option '([\w.]+)' is not accepted|"
+                             r"unrecognized arguments: --([\w.]+))")
 _NOT_A_GROUP = re.compile(r"class_path '([\w.]+)':\s*Parser key \"(\w+)\":\s*Unable to load config")
 # a value of the wrong type for a method's or the data's setting, under two levels of nesting
 # (an optional setting's message lists the union's subtypes first)
@@ -114,8 +115,9 @@ _KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "st
 
 def moved_message(class_name: str, found: dict[str, str]) -> str:
     """The settings a config still gives under their workbench 0.2 names, each with its new key."""
-    moves = ", ".join(f"model.{old} is now model.{new}" for old, new in found.items())
-    return (f"{class_name}'s settings are grouped since workbench 0.3: {moves}; CHANGELOG.md lists every move "
+    moves = ", ".join(f"model.{old} is now {new if new.startswith('federation.') else 'model.' + new}"
+                      for old, new in found.items())
+    return (f"{class_name}'s settings moved in workbench 0.3: {moves}; CHANGELOG.md lists every move "
             f"(--print_config shows the new layout)")
 
 
@@ -151,11 +153,13 @@ def condense_parse_error(message: str, choices: dict[str, list[str]], describe, 
     option, group = _UNKNOWN_OPTION.search(message), _NOT_A_GROUP.search(message)
     found_option = option or group
     if found_option:
-        class_path, name = found_option.groups()
+        class_path, *names = found_option.groups()
+        name = next(given_name for given_name in names if given_name)
         known, moved = describe(class_path)
-        if name in moved:
+        head = name if name in moved else name.split(".")[0]  # a moved group's key: `compression.kind`
+        if head in moved:
             given = given or {}
-            found = {old: new for old, new in moved.items() if old == name or (old in given and (
+            found = {old: new for old, new in moved.items() if old == head or (old in given and (
                 old not in known or not isinstance(given[old], dict)))}  # a group given a plain value
             return moved_message(class_path.rsplit(".", 1)[-1], found)
         if option:

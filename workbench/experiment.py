@@ -200,7 +200,8 @@ def _describe(class_path: str) -> tuple[list[str], dict[str, str]]:
         if not any(p.kind is p.VAR_KEYWORD for p in parameters):
             break
     moved = {old: new for old, new in getattr(cls, "moved_settings", {}).items()
-             if (new.split(".")[0] in names and old not in names) or (old in names and new.startswith(f"{old}."))}
+             if ((new.split(".")[0] in names or new.startswith("federation.")) and old not in names)
+             or (old in names and new.startswith(f"{old}."))}
     return names, moved
 
 

@@ -10,6 +10,7 @@ starts the second process by running this script again.
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -54,8 +55,7 @@ METHODS = {
     "GHOFL": (lambda: GHOFL(heads=["nb_diag", "lda", "qda", "fedcgs"]), 1e-8),
     "AnaPFL": (lambda: AnaPFL(hidden_dim=16, lambdas=[0.0, 0.5, 1.0]), 1e-8),
     "LocalOnly": (lambda: LocalOnly(), 1e-8),
-    "FedAvg": (lambda: FedAvg(sample_fraction=0.67, compression=Compression("topk", topk_fraction=0.3), **GRADIENT),
-               1e-6),
+    "FedAvg": (lambda: FedAvg(sample_fraction=0.67, **GRADIENT), 1e-6),  # its updates compressed (`OWN_PROTOCOL`)
     "FedProx": (lambda: FedProx(mu=0.5, **GRADIENT), 1e-6),
     # the analytic start: AFL's head and its temperature on the hold-outs, two rounds before FedAvg's
     "AFL+FedAvg": (lambda: FedAvg(**GRADIENT, init_from=AnalyticStart(
@@ -82,6 +82,23 @@ PROTOCOLS = {
     # a cohort of 2 of the 3 clients each round: a client must catch up on what it missed
     "sampled": Federation(sample_rate=0.67, seed=2),
 }
+
+
+#: rows run under a protocol of their own: FedAvg's updates top-k compressed with error feedback
+#: (each client's residual is client state), with every part of `PROTOCOLS` but secure aggregation's
+#: masks (which a compressed message gains nothing under: refused)
+OWN_PROTOCOL = {"FedAvg": Federation(compression=Compression("topk", topk_fraction=0.3))}
+
+
+def protocol_of(name: str, protocol: str | None = None) -> Federation | None:
+    """Row `name`'s federation under the matrix's `protocol` (None: the row's own only)."""
+    own = OWN_PROTOCOL.get(name)
+    if protocol is None:
+        return own
+    chosen = PROTOCOLS[protocol]
+    if own is None or chosen.secure_aggregation:
+        return chosen
+    return replace(chosen, compression=own.compression, error_feedback=own.error_feedback)
 
 
 def supports(name: str, protocol: str) -> bool:
@@ -119,7 +136,7 @@ def ddp_main(out_dir: str) -> None:
     torch.set_num_threads(1)
     for name, (build, _) in METHODS.items():
         method = build()
-        engine = LightningEngine(method)
+        engine = LightningEngine(method, protocol_of(name))
         trainer = Trainer(strategy=FederatedDDPStrategy(), devices=2,
                           accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                           enable_model_summary=False, num_sanity_val_steps=0)

@@ -78,7 +78,11 @@ def three_clients(**options) -> FederatedDataModule:
 
 def fedavg(**options) -> FedAvg:
     return FedAvg(**{"num_rounds": 3, "architecture": "mlp", "hidden_dim": 16, "local": LocalTraining(batch_size=32),
-                     "compression": Compression("topk", topk_fraction=0.2), **options})
+                     **options})
+
+
+#: FedAvg's updates top-k compressed with error feedback: each client keeps a residual (client state)
+TOPK = Federation(compression=Compression("topk", topk_fraction=0.2))
 
 
 def assert_same_state(method, reference, tolerance: float) -> None:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, quiet_trainer, relative_error
-from tests.engines.conformance import METHODS, PROTOCOLS, comparable_state, data, supports
+from tests.engines.conformance import METHODS, PROTOCOLS, comparable_state, data, protocol_of, supports
 from workbench.engines.local import LocalClients
 from workbench.engines.round import Replies, RoundRequest, add_metrics
 from workbench.federation import Federation, codec
@@ -80,9 +80,10 @@ class OneByOneClients:
 
 
 def fit(name: str, federation: Federation | None = None, one_by_one: bool = False):
-
+    """Row `name`'s fit and test under `federation` (default: the row's own, `protocol_of`)."""
     from workbench.engines import LightningEngine
 
+    federation = federation if federation is not None else protocol_of(name)
     build, _ = METHODS[name]
     method, dm = build(), data(name=name)
     clients = None
@@ -132,7 +133,7 @@ SUPPORTED = [(name, protocol) for name in METHODS for protocol in PROTOCOLS if s
 
 @pytest.mark.parametrize("name, protocol", SUPPORTED)
 def test_the_protocol_applies_alike_to_clients_one_by_one(name, protocol):
-    federation = PROTOCOLS[protocol]
+    federation = protocol_of(name, protocol)
     assert_same_run(name, fit(name, federation), fit(name, federation, one_by_one=True))
 
 
@@ -166,7 +167,6 @@ def loopback(monkeypatch):
 
 
 def fit_over_loopback(name: str, federation: Federation | None = None):
-
     from workbench.engines import LightningEngine
     from workbench.engines.flower.loopback import LoopbackGrid
     from workbench.engines.flower.simulation import fit_over_grid
@@ -181,7 +181,7 @@ def fit_over_loopback(name: str, federation: Federation | None = None):
 
 @pytest.mark.parametrize("name, protocol", [(name, None) for name in METHODS] + SUPPORTED)
 def test_flowers_messages_give_the_in_process_run(loopback, name, protocol):
-    federation = PROTOCOLS.get(protocol)
+    federation = protocol_of(name, protocol)
     assert_same_run(name, fit(name, federation), fit_over_loopback(name, federation))
 
 
@@ -192,5 +192,5 @@ def test_a_flower_simulation_gives_the_in_process_run(name, tmp_path):
     from workbench.engines.flower.simulation import fit_over_flower
 
     build, _ = METHODS[name]
-    engine = fit_over_flower(build(), data(name=name), None, {"default_root_dir": tmp_path})
+    engine = fit_over_flower(build(), data(name=name), protocol_of(name), {"default_root_dir": tmp_path})
     assert_same_run(name, fit(name), (engine.method, engine, engine.flower_run.test_results))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import FakeBackbone
-from tests.engines.conformance import METHODS, data
+from tests.engines.conformance import METHODS, data, protocol_of
 from tests.engines.fake_device import DEVICE, Transfers, fake_device
 from workbench.data import FederatedDataModule, features
 from workbench.data.features import extract_features, extract_text_features
@@ -37,11 +37,12 @@ def fit(name: str, dm: FederatedDataModule, device: torch.device, record: Transf
         method.local = replace(method.local, epochs=local_epochs)
     method.setup(Problem.of(dm))
     ids = dm.train_client_ids.to(device)
+    federation = protocol_of(name) or Federation()
     clients = LocalClients(method, dm.train_features.to(device), dm.train_labels.to(device), ids,
-                           torch.unique(ids), dm.hparams.batch_size)
+                           torch.unique(ids), dm.hparams.batch_size, federation)
     method.to(device), clients.half.to(device)  # as Lightning moves the engine after its setup
     available = torch.unique(ids)
-    protocol = FitProtocol.start(method, Federation(), len(available))
+    protocol = FitProtocol.start(method, federation, len(available))
     rounds = []
     for _ in range(method.num_rounds):
         if record is not None:

@@ -7,6 +7,7 @@ client processes' imports). All skip where the `flower` extra is not installed.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,15 +17,17 @@ pytest.importorskip("ray", reason="Flower simulations need Ray: pip install -e '
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
-from tests.engines.conformance import METHODS
+from tests.engines.conformance import METHODS, protocol_of
 from tests.engines.conformance import data as conformance_data
-from tests.engines.conftest import COMM, assert_same_state, fedavg, over_both, three_clients
+from tests.engines.conftest import COMM, TOPK, assert_same_state, fedavg, over_both, three_clients
 from workbench.engines.flower import client_app, server_app
 from workbench.engines.flower.loopback import LoopbackGrid
 from workbench.engines.flower.spec import RunSpec, from_record, half_state, record_views, restore_half, to_record
-from workbench.federation import Federation, codec
+from workbench.federation import codec
+from workbench.federation.client_step import client_step
 from workbench.federation.local_training import LocalTraining
 from workbench.federation.secure_aggregation import SecureAggregator
+from workbench.federation.stages import Pipeline
 from workbench.methods import AFL, FedAvg
 from workbench.methods.base import Problem
 
@@ -157,7 +160,7 @@ def test_a_node_keeps_its_clients_state_between_messages(as_server, monkeypatch,
     """One process keeps the node's client; with two taking turns (a Ray simulation's actors),
     each message finds the state the other saved in the node's context."""
     method, data = fedavg(), three_clients()  # top-k with error feedback: each client keeps a residual
-    spec = RunSpec.of(method, data)
+    spec = RunSpec.of(method, data, Pipeline.of(TOPK).node_settings())
     context = introduced(spec, 2)
     data.setup("fit")
     method.setup(Problem((12,), data.num_classes, 3))
@@ -171,19 +174,22 @@ def test_a_node_keeps_its_clients_state_between_messages(as_server, monkeypatch,
     # one process builds once and keeps the state; two build once each and restore what the other saved
     assert events == ([(1, 0), (0, 0), (0, 0)] if processes == 1 else [(1, 0), (1, 1), (0, 1)])
     state = from_record(context.state[client_app.STATE_KEY])
-    residual = state["feedback.residuals.rows"]
-    assert state["feedback.residuals.ids"].tolist() == [0] and residual.abs().sum() > 0  # its one slot, non-zero
+    kept = "protocol_state.compress.update_residuals.residuals"  # the compress stage's, held by the half
+    residual = state[f"{kept}.rows"]
+    assert state[f"{kept}.ids"].tolist() == [2] and residual.abs().sum() > 0  # its client's row, non-zero
 
-    # the same rounds in one in-process half give the same residual
-    half = method.client_half()
+    # the same rounds of one in-process half under the same protocol give the same residual
+    half, pipeline = method.client_half(), Pipeline.of(TOPK)
     half.setup_clients(torch.tensor([2]), int((data.train_client_ids == 2).sum()))
+    pipeline.keep_state(half, method.uploads)
     method.rounds_done.zero_()
     rows = data.train_client_ids == 2
     cohort = client_app.ClientData(2, method.problem, data.train_features[rows], data.train_labels[rows], 128).cohort()
     for round_index in range(3):
-        half.client_update(round_index, method.broadcast(), cohort)
+        client_step(half, method.uploads, round_index, method.broadcast(), cohort, pipeline=pipeline)
         method.rounds_done += 1
-    torch.testing.assert_close(residual, half.feedback.residual(torch.tensor([0])), rtol=0, atol=1e-6)
+    torch.testing.assert_close(residual, half.protocol_state.compress.update_residuals.residual(torch.tensor([2])),
+                               rtol=0, atol=1e-6)
 
 
 def test_a_node_builds_its_client_once_per_fit_and_settings(as_server, monkeypatch):
@@ -236,8 +242,10 @@ def test_afl_over_flower_equals_in_process(tmp_path):
 
 
 @pytest.mark.ray
-def test_fedavg_with_client_state_dropouts_and_secure_aggregation_over_flower_equals_in_process(tmp_path):
-    federation = Federation(dropout=0.34, secure_aggregation=True, seed=3)  # one of the three drops each round
+def test_fedavg_with_client_state_and_dropouts_over_flower_equals_in_process(tmp_path):
+    # one of the three drops each round; each keeps its error feedback (secure aggregation over Ray:
+    # tests/engines/test_secagg_plus_engines.py)
+    federation = replace(TOPK, dropout=0.34, seed=3)
     engine, reference = over_both(fedavg, {"personalized": True}, federation, tmp_path)
     assert_same_state(engine.method, reference.method, 1e-6)
     for key in (*COMM, "comm/clients_dropped"):
@@ -270,7 +278,7 @@ def test_clients_moving_between_processes_give_the_in_process_run(as_server, mon
     monkeypatch.setattr(client_app, "_nodes", {})  # the grid swaps it; put back after the test
     build, _ = METHODS[name]
     method, dm = build(), conformance_data(name=name)
-    engine = LightningEngine(method)
+    engine = LightningEngine(method, protocol_of(name))
     # each node's client moves to the other process with every message, as a Ray simulation's
     # actors take any node's message: every message after a node's first finds its state saved by the other
     grid = LoopbackGrid(dm.num_clients, processes=2, process_of=lambda node, exchange: (exchange + node) % 2)

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("flwr", reason="the Flower engine needs the `flower` extra: pip install -e '.[flower]'")
 
 from tests.conftest import InterruptAfter, quiet_trainer
-from tests.engines.conformance import METHODS, data
+from tests.engines.conformance import METHODS, data, protocol_of
 from tests.engines.conftest import assert_same_state, dropping_clients
 from workbench.engines import LightningEngine
 from workbench.engines.flower.loopback import FIRST_NODE, LoopbackGrid
@@ -327,7 +327,7 @@ def test_every_method_fits_through_a_client_lost_in_its_first_round_and_back_afr
     build, _ = METHODS[name]
     grid = StagedGrid(3, silenced={0: [FIRST_NODE + 1]}, joined={0: [1]})
     method, dm = build(), data(name=name)
-    engine = LightningEngine(method)
+    engine = LightningEngine(method, protocol_of(name))
     fit_over_grid(grid, quiet_trainer(), engine, dm, settings=QUICK)
     assert method.fitted
     assert [event[1:3] for event in engine.client_events] == [[1, "missing"], [1, "rejoined"]]

@@ -37,6 +37,9 @@ METHODS = {
     # sampled clients: the checkpoint's table of control variates holds only those that took part
     "scaffold_sampled": (["--model=SCAFFOLD", "--model.architecture=linear", "--model.sample_fraction=0.5"],
                          4, 4, "TERM", 1),
+    # the compress stage's error feedback: each client's residual, held by the client half, checkpointed
+    "fedavg_topk": (["--model=FedAvg", "--model.architecture=linear", "--federation.compression.kind=topk",
+                     "--federation.compression.topk_fraction=0.3"], 4, 4, "TERM", 2),
 }
 KEEPS = "osfed"  # its resume keeps the interrupted fit's last.ckpt (--keep_resumed_checkpoint)
 

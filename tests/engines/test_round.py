@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.conftest import fit, relative_error
-from tests.engines.conformance import METHODS, PROTOCOLS, comparable_state, data, supports
+from tests.engines.conformance import METHODS, comparable_state, data, protocol_of, supports
 from workbench.engines.local import LocalClients
 from workbench.engines.round import FitProtocol, run_final, run_round
 from workbench.federation import Federation, codec
@@ -32,7 +32,7 @@ def plain_fit(method, dm, federation: Federation):
 @pytest.mark.parametrize("name, protocol", [(name, None) for name in METHODS]
                          + [(name, "client_dp") for name in METHODS if supports(name, "client_dp")])
 def test_rounds_in_a_loop_are_the_engines_fit(name, protocol):
-    federation = PROTOCOLS.get(protocol) or Federation()
+    federation = protocol_of(name, protocol) or Federation()
     method = METHODS[name][0]()
     results, final = plain_fit(method, data(name=name), federation)
     engine = fit(METHODS[name][0](), data(name=name), federation)

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from workbench.federation import Federation
 from workbench.federation.compression import (
     Compression,
     Dense,
@@ -17,7 +18,6 @@ from workbench.federation.compression import (
     TopK,
     index_bytes,
 )
-from workbench.methods import FedAvg
 
 SIZES = [300, 20, 50, 5]  # numel of each parameter tensor, P = 375
 
@@ -170,16 +170,16 @@ def test_symmetric_quantization_keeps_zero_and_the_largest_entry_exactly(bits):
 def test_few_bit_min_max_is_not_contractive_and_four_bit_is_not_for_every_x():
     """The documented failures: 1-bit min-max sends every entry as lo or hi, 2 and 3 bits expand
     sparse or heavy-tailed draws; b-bit min-max has no level at 0, so a tensor of zeros between two
-    extremes moves by a/(2^b − 1) per entry. FedAvg refuses them with error feedback."""
+    extremes moves by a/(2^b − 1) per entry. The protocol refuses them with error feedback."""
     torch.manual_seed(0)
     x = draws()
     for bits in (1, 2, 3):
         assert (((Quantize(SIZES, bits)(x) - x) ** 2).sum(1) > (x**2).sum(1)).any()
         with pytest.raises(ValueError, match="quantize_symmetric"):
-            FedAvg(compression=Compression(kind="quantize", quantize_bits=bits))
-    FedAvg(compression=Compression(kind="quantize", quantize_bits=2),
-           error_feedback=ErrorFeedback(enabled=False))  # without EF: allowed
-    FedAvg(compression=Compression(kind="quantize", quantize_bits=2, quantize_symmetric=True))
+            Federation(compression=Compression(kind="quantize", quantize_bits=bits))
+    Federation(compression=Compression(kind="quantize", quantize_bits=2),
+               error_feedback=ErrorFeedback(enabled=False))  # without EF: allowed
+    Federation(compression=Compression(kind="quantize", quantize_bits=2, quantize_symmetric=True))
     worst = torch.zeros(1, 2000, dtype=torch.float64)
     worst[0, :2] = torch.tensor([1.0, -1.0])
     assert ((Quantize([2000], 4)(worst) - worst) ** 2).sum() > (worst**2).sum()

@@ -87,7 +87,7 @@ def test_a_stage_list_holds_only_stages_of_ones_own_placed_after_a_stage_that_ex
     class Nowhere(Stage):
         after = "shuffle"
 
-    with pytest.raises(ValueError, match=r"Nowhere.after = 'shuffle' names no stage: one of sample, drop, clip"):
+    with pytest.raises(ValueError, match=r"Nowhere.after = 'shuffle' names no stage: one of sample, drop, compress"):
         LightningEngine(AFL(), stages=[Nowhere()])
 
     class Unrecorded(Stage):  # its settings would be recorded as a memory address

@@ -14,10 +14,11 @@ from tests.conftest import ROOT
 from tests.methods.conftest import P, centralized_sgd, data, fake_images, fit64, small
 from workbench.cli import main
 from workbench.data import FederatedDataModule
+from workbench.federation import Federation
 from workbench.federation.compression import Compression, ErrorFeedback
 from workbench.federation.local_training import LocalTraining
 from workbench.methods import FedAvg, FedProx
-from workbench.methods.fedavg import FedAvgClient
+from workbench.methods.gradient import GradientClient
 from workbench.methods.heads import build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -37,13 +38,13 @@ def client_drifts(monkeypatch, method_class, **kwargs) -> torch.Tensor:
     """‖w_k − w_t‖ of each client after one round of 3 local epochs: (K,)."""
     method = method_class(num_rounds=1, seed=1, **small(epochs=3), **kwargs)
     drifts = []
-    encode = FedAvgClient.encode
+    encode = GradientClient.encode
 
     def spy(half, round_index, cohort, updates):
         drifts.append(updates.norm(dim=1))
         return encode(half, round_index, cohort, updates)
 
-    monkeypatch.setattr(FedAvgClient, "encode", spy)
+    monkeypatch.setattr(GradientClient, "encode", spy)
     fit64(method, data(num_clients=5, partition="dirichlet", alpha=0.3))
     return drifts[0]
 
@@ -57,13 +58,23 @@ def test_fedprox_keeps_clients_near_the_global_model(monkeypatch):
     assert (drifts[-1] < 0.4 * drifts[0]).all()
 
 
+def compressed(compression: Compression, error_feedback: ErrorFeedback = ErrorFeedback(), **options) -> Federation:
+    """A protocol that compresses the updates (the compress stage)."""
+    return Federation(compression=compression, error_feedback=error_feedback, **options)
+
+
+def residuals(half):
+    """The compress stage's error feedback of `update`, held by the client half."""
+    return half.protocol_state.compress.update_residuals
+
+
 def test_sampled_clients_alone_upload_and_are_redrawn_every_round():
     dm = data(num_clients=10)
-    method = FedAvg(num_rounds=4, sample_fraction=0.3, compression=Compression("topk", topk_fraction=0.2), **small())
+    method = FedAvg(num_rounds=4, sample_fraction=0.3, **small())
     drawn = []
     original = method.sample_clients
     method.sample_clients = lambda available: drawn.append(original(available)) or drawn[-1]
-    engine = fit64(method, dm)
+    engine = fit64(method, dm, compressed(Compression("topk", topk_fraction=0.2)))
     assert len(drawn) == 4 and all(len(clients) == 3 for clients in drawn)
     assert len({tuple(c.tolist()) for c in drawn}) > 1
     k = math.ceil(0.2 * P)
@@ -75,9 +86,9 @@ def test_sampled_clients_alone_upload_and_are_redrawn_every_round():
     ever[torch.cat(drawn)] = True
     half = engine.client_half
     assert torch.equal(half.served, torch.arange(10))  # every client has data: slot k is client k
-    has_residual = half.feedback.residual(torch.arange(10)).abs().sum(1) > 0
+    has_residual = residuals(half).residual(torch.arange(10)).abs().sum(1) > 0
     assert torch.equal(has_residual, ever)  # only clients that uploaded carry an error
-    assert torch.equal(half.feedback.residuals.ids, ever.nonzero().squeeze(1))  # and only they hold a row
+    assert torch.equal(residuals(half).residuals.ids, ever.nonzero().squeeze(1))  # and only they hold a row
 
 
 @pytest.mark.parametrize(
@@ -90,8 +101,8 @@ def test_sampled_clients_alone_upload_and_are_redrawn_every_round():
     ],
 )
 def test_upload_bytes_are_the_analytic_count(fit_method, compression, options, per_client):
-    method = FedAvg(num_rounds=2, **small(), compression=Compression(kind=compression, **options))
-    engine = fit_method(method, data(num_clients=5))
+    method = FedAvg(num_rounds=2, **small())
+    engine = fit_method(method, data(num_clients=5), compressed(Compression(kind=compression, **options)))
     assert engine.fit_metrics["comm/bytes_up"] == 2 * 5 * per_client
     # round 0: the seed (8 bytes); round 1 and the final broadcast: the float32 model, to every client
     assert engine.fit_metrics["comm/bytes_down"] == 5 * 8 + 5 * 4 * P + 5 * 4 * P
@@ -101,20 +112,19 @@ def test_lossless_settings_of_the_compressors_are_fedavg():
     dm = data(num_clients=4, partition="dirichlet", alpha=0.5)
     reference = FedAvg(num_rounds=2, **small())
     fit64(reference, dm)
-    everything = FedAvg(num_rounds=2, **small(), compression=Compression(kind="topk", topk_fraction=1.0),
-                        error_feedback=ErrorFeedback(enabled=False))
-    fit64(everything, dm)
+    everything = FedAvg(num_rounds=2, **small())
+    fit64(everything, dm, compressed(Compression(kind="topk", topk_fraction=1.0), ErrorFeedback(enabled=False)))
     torch.testing.assert_close(
         everything.flat_parameters(), reference.flat_parameters(), rtol=0, atol=0
     )
     # with error feedback, the float32 rounding of the wire is carried over: equal to that rounding
-    carried = FedAvg(num_rounds=2, **small(), compression=Compression(kind="topk", topk_fraction=1.0))
-    fit64(carried, dm)
+    carried = FedAvg(num_rounds=2, **small())
+    fit64(carried, dm, compressed(Compression(kind="topk", topk_fraction=1.0)))
     torch.testing.assert_close(
         carried.flat_parameters(), reference.flat_parameters(), rtol=1e-6, atol=1e-7
     )
-    quantized = FedAvg(num_rounds=2, **small(), compression=Compression(kind="quantize", quantize_bits=16))
-    fit64(quantized, dm)
+    quantized = FedAvg(num_rounds=2, **small())
+    fit64(quantized, dm, compressed(Compression(kind="quantize", quantize_bits=16)))
     gap = (quantized.flat_parameters() - reference.flat_parameters()).norm()
     assert gap < 1e-3 * reference.flat_parameters().norm()
 
@@ -137,28 +147,33 @@ def test_the_clients_train_on_views_of_the_whole_training_set(fit_method):
 
 
 def test_a_cohort_call_is_each_clients_call_alone():
-    """One client_update over every client gives each client's row of its one-client call (own streams)."""
+    """One client step over every client sends the sum of each client's one-client step (own
+    streams), and leaves each client the same error feedback."""
     from workbench.engines.local import LocalClients
+    from workbench.federation.client_step import client_step
     from workbench.methods import Problem
 
     dm = data(num_clients=6, partition="dirichlet", alpha=0.3)
-    method = FedAvg(num_rounds=2, **small(), compression=Compression(kind="topk", topk_fraction=0.3))
+    method = FedAvg(num_rounds=2, **small())
     method.setup(Problem((8,), 4, 6))
     method.double()
+    federation = compressed(Compression(kind="topk", topk_fraction=0.3))
     together = LocalClients(method, dm.train_features.double(), dm.train_labels, dm.train_client_ids,
-                            torch.unique(dm.train_client_ids), batch_size=64)
+                            torch.unique(dm.train_client_ids), batch_size=64, federation=federation)
     alone = LocalClients(method, dm.train_features.double(), dm.train_labels, dm.train_client_ids,
-                         torch.unique(dm.train_client_ids), batch_size=64)
+                         torch.unique(dm.train_client_ids), batch_size=64, federation=federation)
     together.half.double(), alone.half.double()
     for round_index in range(2):  # the second round starts from error feedback
         broadcast = {"weights": method.flat_parameters() + round_index}
-        total, _ = together.half.client_update(round_index, broadcast, together.cohort(together.served))
-        rows = torch.cat([alone.half.client_update(round_index, broadcast, alone.cohort(k[None]))[0]["update"]
-                          for k in alone.served])
-        torch.testing.assert_close(total["update"], rows, rtol=1e-12, atol=1e-12)
-    slots = torch.arange(len(together.served))
-    torch.testing.assert_close(together.half.feedback.residual(slots), alone.half.feedback.residual(slots),
+        total = client_step(together.half, method.uploads, round_index, broadcast, together.cohort(together.served),
+                            pipeline=together.pipeline).uploads["update"]
+        rows = [client_step(alone.half, method.uploads, round_index, broadcast, alone.cohort(k[None]),
+                            pipeline=alone.pipeline).uploads["update"] for k in alone.served]
+        torch.testing.assert_close(total, torch.stack(rows).sum(0), rtol=1e-12, atol=1e-12)
+    clients = together.served
+    torch.testing.assert_close(residuals(together.half).residual(clients), residuals(alone.half).residual(clients),
                                rtol=1e-12, atol=1e-12)
+    assert residuals(together.half).residual(clients).abs().sum() > 0
 
 
 def test_raw_images_feed_a_cnn(add_dataset, fit_method):
@@ -200,8 +215,8 @@ def test_cli_logs_bytes_every_round(tmp_path, method):
             f"--model={method}",
             "--model.num_rounds=3",
             "--model.hidden_dim=8",
-            "--model.compression.kind=quantize",
-            "--model.compression.quantize_bits=4",
+            "--federation.compression.kind=quantize",
+            "--federation.compression.quantize_bits=4",
             "--data=FederatedDataModule",
             "--data.dataset=synthetic",
             "--data.num_clients=4",
@@ -209,7 +224,8 @@ def test_cli_logs_bytes_every_round(tmp_path, method):
             f"--run_dir={tmp_path}",
         ]
     )
-    per_client = cli.model.method.uploads["update"].encoding.bytes_per_client()  # cli.model: the engine
+    per_client = cli.model.pipeline.wire(cli.model.method.uploads)["update"].encoding.bytes_per_client()  # the engine's
+    assert per_client == sum(math.ceil(n / 2) + 8 for n in cli.model.method.uploads["update"].sizes)
     rows = [row for row in logged_rows(tmp_path) if row.get("comm/bytes_up")]
     assert [float(row["comm/bytes_up"]) for row in rows] == [r * 4 * per_client for r in (1, 2, 3)]
     assert "test/acc" in cli.trainer.callback_metrics  # the fit ends with a test

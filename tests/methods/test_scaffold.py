@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from tests.methods.conftest import P, data, fit64, small
 from workbench.data import FederatedDataModule, SyntheticBlobs
 from workbench.engines.local import LocalClients
+from workbench.federation import Federation
 from workbench.federation.compression import Compression
 from workbench.federation.local_training import LocalTraining
 from workbench.methods import SCAFFOLD, FedAvg, Problem
@@ -134,8 +135,18 @@ def test_on_one_class_per_client_it_beats_fedavgs_client_drift():
     assert math.isfinite(results["SCAFFOLD"][0])
 
 
-def test_compression_is_not_an_option():
-    with pytest.raises(TypeError):
-        SCAFFOLD(compression=Compression(kind="topk"))
+def test_the_protocols_compression_compresses_both_uploads_each_with_its_own_error_feedback(fit_method):
+    federation = Federation(compression=Compression(kind="topk", topk_fraction=0.25))
+    engine = fit_method(SCAFFOLD(num_rounds=2, **small()), data(num_clients=4), federation)
+    sent = engine.pipeline.wire(engine.method.uploads)
+    assert engine.fit_metrics["comm/bytes_up"] == 2 * 4 * (sent["delta_y"].encoding.bytes_per_client()
+                                                          + sent["delta_c"].encoding.bytes_per_client())
+    kept = engine.client_half.protocol_state.compress
+    assert set(kept) == {"delta_y_residuals", "delta_c_residuals"}
+    clients = torch.arange(4)
+    assert not torch.equal(kept.delta_y_residuals.residual(clients), kept.delta_c_residuals.residual(clients))
+
+
+def test_bad_settings_name_the_fix():
     with pytest.raises(ValueError, match="lr"):
         SCAFFOLD(local=LocalTraining(lr=0.0))

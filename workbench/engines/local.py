@@ -46,6 +46,7 @@ class LocalClients:
                                                     method.num_clients))  # clipped rows, flipped labels
         self.half: ClientHalf = method.client_half()
         self.half.setup_clients(served, len(rows.labels))
+        self.pipeline.keep_state(self.half, method.uploads)  # (the compressor's error feedback)
         lie = self.pipeline.get(Lie)
         # (K,) bool: who poisons what it sends (none by default)
         self.liars = (lie.adversaries(method.num_clients) if isinstance(lie, Lie) and lie.poisons_uploads
@@ -131,6 +132,7 @@ class LocalClients:
         for attempt in range(repeats + 1):
             half = self.method.client_half()
             half.setup_clients(self.served, len(self.data.labels))
+            self.pipeline.keep_state(half, self.method.uploads)
             start = time.perf_counter()
             message = client_step(half, self.method.uploads, request.round_index, request.broadcast,
                                   self.cohort(clients), request.clip_norm, self.pipeline)

@@ -54,7 +54,8 @@ def client_step(half: ClientHalf, spec: codec.Spec, round_index: int, broadcast:
                        f"name ({sorted(spec)})")
     pipeline = pipeline if pipeline is not None else Pipeline.for_node(clip_norm)
     outgoing = pipeline.client_message(Outgoing(dict(uploads), spec, round_index, cohort.clients, len(cohort.labels),
-                                                clip_norm, liars, attack_noise))
+                                                clip_norm, liars, attack_noise, state=half.protocol_state))
     assert outgoing.wire is not None  # (set by client_message)
     bytes_up = codec.upload_bytes(outgoing.uploads, outgoing.wire) * len(cohort.clients) if outgoing.uploads else 0
+    metrics = {**metrics, **outgoing.metrics}  # the half's and the stages' own
     return ClientMessage(outgoing.uploads, {name: float(value) for name, value in metrics.items()}, bytes_up)

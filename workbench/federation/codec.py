@@ -54,6 +54,8 @@ class Upload:
         (`workbench.federation.screen`).
     encoding: what one client's copy costs when it is not sent dense (None: dense, or packed
         when symmetric).
+    sizes: a model update's parameter tensors, the numel of each in the flat row's order (what a
+        compressor scales tensor by tensor, `workbench.federation.compression`); () for one tensor.
     """
 
     stacked: bool = False
@@ -61,6 +63,7 @@ class Upload:
     model_update: bool = False
     gram: bool = False
     encoding: Encoding | None = None
+    sizes: tuple[int, ...] = ()
 
 
 SUMMED, SYMMETRIC, STACKED = Upload(), Upload(symmetric=True), Upload(stacked=True)

@@ -21,6 +21,9 @@ applies to every method, and the runtime (`workbench.methods.base`) enforces it 
   each client independently with probability q.
 - `adversary_fraction`, `attack`: a seeded share of the clients lies in what it sends (flipped
   labels, sign-flipped or scaled uploads, noised updates: `workbench.federation.adversaries`).
+- `compression`, `error_feedback`: each client compresses its model updates before they leave
+  (top-k, b-bit quantization, the scaled sign: `workbench.federation.compression`) and carries
+  what compression lost into its next round's update.
 - `aggregation`: how the server combines the clients' model updates — their mean, or a robust
   center (median, trimmed mean, Krum, Multi-Krum, norm bounding: `workbench.federation.robust`);
   for the analytic methods' statistics, their sum, or `screen`: each client's checked first and
@@ -42,6 +45,9 @@ In a config, a top-level section:
       dp_clip: 1.0              # client-level DP
       dp_noise_multiplier: 1.0
       target_epsilon: 8.0
+      compression:              # of the model updates
+        kind: topk
+        topk_fraction: 0.01
       seed: 0
 """
 from __future__ import annotations
@@ -52,6 +58,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from workbench.federation.compression import Compression, ErrorFeedback
 from workbench.federation.robust import AGGREGATIONS
 from workbench.linalg import stream_generator
 
@@ -110,6 +117,10 @@ class Federation:
         aggregation_norm: B, the norm `norm_bound` scales each update to at most.
         aggregation_threshold: τ > 1: the screen rejects a client whose Grams' trace per row is
             more than τ times, or less than 1/τ of, the round's median client's.
+        compression: how each client's model updates travel (`Compression`: kind none, topk,
+            quantize or sign; topk_fraction, quantize_bits, quantize_symmetric).
+        error_feedback: each client's carry of what compression lost (`ErrorFeedback`: enabled,
+            bound, decay); read only when `compression` is lossy.
         seed: seed of the dropouts, the pairwise masks and the noise (each round draws anew), and
             of who the adversaries are.
     """
@@ -139,6 +150,8 @@ class Federation:
     aggregation_trim: float = 0.1
     aggregation_norm: float = 1.0
     aggregation_threshold: float = 4.0
+    compression: Compression = Compression()
+    error_feedback: ErrorFeedback = ErrorFeedback()
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -160,6 +173,7 @@ class Federation:
             raise ValueError(f"federation.attack_scale must be nonzero (> 0 for noise, its standard deviation), "
                              f"got {self.attack_scale}")
         self._check_aggregation()
+        self._check_compression()
         if not 0 <= self.seed < 2 ** 63:
             raise ValueError(f"federation.seed must be an integer in [0, 2⁶³), got {self.seed}")
 
@@ -236,6 +250,27 @@ class Federation:
         if self.robust and self.client_level_dp:
             raise ValueError(f"federation.aggregation={self.aggregation} combines the updates one by one; "
                              "client-level DP noises their sum: set dp_clip=0, or aggregation=mean")
+
+    def _check_compression(self) -> None:
+        if not isinstance(self.compression, Compression) or not isinstance(self.error_feedback, ErrorFeedback):
+            raise TypeError("federation.compression and federation.error_feedback take their keys (kind, "
+                            "topk_fraction, ...; enabled, bound, decay), e.g. federation.compression.kind=topk")
+        compression = self.compression
+        if (compression.kind == "quantize" and not compression.quantize_symmetric and compression.quantize_bits < 4
+                and self.error_feedback.enabled):
+            raise ValueError(f"{compression.quantize_bits}-bit min-max quantization is not contractive (no level at "
+                             "0), so its error feedback can grow without bound: set "
+                             "federation.compression.quantize_symmetric=true (or compression.kind=sign for 1 bit), "
+                             "or federation.error_feedback.enabled=false")
+        if compression.lossy and self.secure_aggregation:
+            raise ValueError(f"federation.compression.kind={compression.kind} saves bytes only on a sparse or "
+                             "low-bit message, and secure aggregation's masks make every entry of it a full ring "
+                             "element: set compression.kind=none or secure_aggregation=false")
+
+    @property
+    def compresses(self) -> bool:
+        """Clients compress their model updates (lossily) before they leave."""
+        return self.compression.lossy
 
     @property
     def robust(self) -> bool:

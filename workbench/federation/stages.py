@@ -1,6 +1,6 @@
 """The protocol around a federated method as a pipeline of stages, in the order a round meets them:
 
-    sample → drop → clip → lie → mask → aggregate → noise
+    sample → drop → compress → clip → lie → mask → aggregate → noise
 
 `Pipeline.of(federation)` composes the stages a `Federation` turns on, one stage per concern (as
 Flower composes mods around a ClientApp and wrappers around a strategy); with none, every client's
@@ -12,8 +12,10 @@ upload is summed as sent. Each stage
 - says what it does, for the run's summary (`describe`);
 - acts through hooks, each called where that part of the round runs. On the client:
   `client_rows` (its training rows, once per fit: rows clipped, labels flipped), `wire` (how its
-  uploads travel: summed, or one row per client, and the protocol's own uploads beside them),
-  `client_update` (its model updates, one row per client, before they are summed: clipped),
+  uploads travel: summed, or one row per client, compressed, and the protocol's own uploads beside
+  them), `client_update` (its model updates, one row per client, before they are summed:
+  compressed, then clipped), `client_state` (what a stage keeps per client across rounds: the
+  compressor's error feedback, held by the client half, so checkpoints and Flower nodes keep it),
   `client_send` (its message as it travels: poisoned by a liar). On the server: `cohort` (who is
   asked), `lost` (whose upload never arrives), `combine` (what the server makes of what arrived:
   the screen or a robust center, then the noise).
@@ -25,17 +27,20 @@ in `run_round`, where a failed unmasking is explained; here it is checked and de
 from __future__ import annotations
 
 import dataclasses
+import functools
+import time
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from workbench.console import RunOutcome
 from workbench.federation import codec, robust, screen
 from workbench.federation.adversaries import UPLOAD_ATTACKS, flip_labels, poison
+from workbench.federation.compression import Compression, Compressor, Residuals
 from workbench.federation.privacy import WITHIN_CLIP, clip_client_updates, clip_features
 from workbench.federation.protocol import Federation
 from workbench.federation.screen import ROWS
@@ -44,6 +49,7 @@ from workbench.settings import plain
 
 if TYPE_CHECKING:
     from workbench.federation.privacy import FitPrivacy
+    from workbench.methods.base import ClientHalf
 
 
 @dataclass(frozen=True)
@@ -86,7 +92,8 @@ class Outgoing:
         clipping); liars: every one of these clients lies (the transports run liars apart from the
         honest); generator: the round's stream for a liar's noise; wire: how the uploads travel
         (`Pipeline.wire`), set once they are combined for `client_send`; federation: the protocol's
-        settings (set by `Pipeline.client_message`).
+        settings (set by `Pipeline.client_message`); state: the stages' state kept by these clients'
+        half (`Stage.client_state`, by stage); metrics: the stages' own, sums over the clients.
     """
 
     uploads: dict[str, Tensor]
@@ -99,6 +106,8 @@ class Outgoing:
     generator: torch.Generator | None = None
     wire: codec.Spec | None = None
     federation: Federation = Federation()
+    state: nn.ModuleDict = field(default_factory=nn.ModuleDict)
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -172,6 +181,17 @@ class Stage:
     def client_send(self, outgoing: Outgoing) -> Outgoing:
         return outgoing
 
+    def client_state(self, spec: codec.Spec) -> dict[str, nn.Module]:
+        """What it keeps per client across rounds for the method's uploads `spec`: modules the
+        client half holds (`ClientHalf.protocol_state`), read back as `outgoing.state[stage.key]`
+        (a `ModuleDict` of them)."""
+        return {}
+
+    @property
+    def key(self) -> str:
+        """Its name among the client half's protocol state."""
+        return self.name or type(self).__name__
+
     # ---- server hooks ----------------------------------------------------------------------
     def cohort(self, round_index: int, available: Tensor) -> Tensor:
         return available
@@ -187,7 +207,7 @@ class Stage:
     def runs_on_clients(self) -> bool:
         """Whether it has a client hook."""
         return any(getattr(type(self), hook) is not getattr(Stage, hook)
-                   for hook in ("client_rows", "wire", "client_update", "client_send"))
+                   for hook in ("client_rows", "wire", "client_update", "client_send", "client_state"))
 
 
 @dataclass(frozen=True)
@@ -222,6 +242,81 @@ class Drop(ProtocolStage):
 
     def lost(self, round_index: int, cohort: Tensor, num_clients: int) -> Tensor:
         return self.federation.dropped_clients(round_index, num_clients).to(cohort.device)[cohort]
+
+
+@functools.lru_cache(maxsize=64)
+def compressor(compression: Compression, upload: codec.Upload) -> Compressor:
+    """The compressor of a model update whose flat row holds the parameter tensors `upload.sizes`
+    (built once per settings and model)."""
+    if not upload.sizes:
+        raise ValueError("federation.compression compresses model updates tensor by tensor, and this method's "
+                         "update names no parameter tensors (Upload.sizes)")
+    return compression.build(upload.sizes)
+
+
+class Compress(ProtocolStage):
+    """Each client compresses its model updates before they leave (`compression`: top-k, b-bit
+    quantization or the scaled sign, `workbench.federation.compression`): what the server
+    reconstructs is sent, at the compressor's byte count. With `error_feedback` each client carries
+    what compression lost into its next round, g_k = Δ_k + e_k, sent_k = C(g_k), e_k ← g_k − sent_k
+    (bounded or decayed on request), kept per client by the client half (checkpointed; kept by a
+    Flower node). Clipping comes after it, so the residual is the compressor's error only and the
+    clipped message is exactly what is sent."""
+
+    name = "compress"
+
+    def describe(self) -> str:
+        compression, feedback = self.federation.compression, self.federation.error_feedback
+        kind = {"topk": f"top-{compression.topk_fraction:g} of each update",
+                "quantize": f"{compression.quantize_bits}-bit "
+                            f"{'symmetric' if compression.quantize_symmetric else 'min-max'} quantization",
+                "sign": "scaled sign (1 bit an entry)"}[compression.kind]
+        return f"compress to {kind}" + (", error feedback" if feedback.enabled else "")
+
+    def check(self, setting: Setting) -> None:
+        updates = codec.model_update_names(setting.spec)
+        if not updates:
+            raise ValueError(f"federation.compression compresses clients' model updates, which {setting.method} "
+                             "does not send (its uploads are summed exactly): set federation.compression.kind=none")
+        for name in updates:
+            compressor(self.federation.compression, setting.spec[name])
+
+    def wire(self, spec: codec.Spec) -> codec.Spec:
+        compression = self.federation.compression
+        return {name: replace(upload, encoding=compressor(compression, upload)) if upload.model_update else upload
+                for name, upload in spec.items()}
+
+    def client_state(self, spec: codec.Spec) -> dict[str, nn.Module]:
+        feedback = self.federation.error_feedback
+        if not feedback.enabled:
+            return {}
+        return {self.residuals(name): feedback.residuals(sum(spec[name].sizes))
+                for name in codec.model_update_names(spec)}
+
+    @staticmethod
+    def residuals(name: str) -> str:
+        """The key of upload `name`'s residuals (not the name itself: `update` is a ModuleDict method)."""
+        return f"{name}_residuals"
+
+    def client_update(self, outgoing: Outgoing) -> Outgoing:
+        names = [name for name in codec.model_update_names(outgoing.spec) if name in outgoing.uploads]
+        if not names:
+            return outgoing
+        start = time.perf_counter()
+        kept = outgoing.state[self.key] if self.key in outgoing.state else nn.ModuleDict()
+        assert isinstance(kept, nn.ModuleDict)
+        uploads = dict(outgoing.uploads)
+        for name in names:
+            updates = uploads[name].flatten(1)  # (m, P)
+            feedback = kept[self.residuals(name)] if self.residuals(name) in kept else None
+            assert feedback is None or isinstance(feedback, Residuals)
+            target = feedback.target(outgoing.clients, updates) if feedback is not None else updates
+            sent = compressor(outgoing.federation.compression, outgoing.spec[name])(target)
+            if feedback is not None:
+                feedback.keep(outgoing.clients, target, sent, updates)
+            uploads[name] = sent.view_as(uploads[name])
+        seconds = time.perf_counter() - start
+        return replace(outgoing, uploads=uploads, metrics={**outgoing.metrics, "time/compress_s": seconds})
 
 
 class Clip(ProtocolStage):
@@ -448,14 +543,14 @@ class Pipeline:
     stages: tuple[Stage, ...]
     federation: Federation = Federation()
 
-    ORDER: ClassVar[tuple[type[ProtocolStage], ...]] = (Sample, Drop, Clip, Lie, Mask, Aggregate, Noise)
+    ORDER: ClassVar[tuple[type[ProtocolStage], ...]] = (Sample, Drop, Compress, Clip, Lie, Mask, Aggregate, Noise)
     NAMES: ClassVar[tuple[str, ...]] = tuple(kind.name for kind in ORDER)
 
     @classmethod
     def of(cls, federation: Federation, extra: Iterable[Stage] = ()) -> Pipeline:
         """The stages `federation` turns on, and the `extra` ones (the config's `stages:`), each
         after the built-in stage it names (`Stage.after`), in round order."""
-        on = {Sample: federation.sample_rate < 1, Drop: federation.dropout > 0,
+        on = {Sample: federation.sample_rate < 1, Drop: federation.dropout > 0, Compress: federation.compresses,
               Clip: federation.feature_clip > 0 or federation.client_level_dp,
               Lie: federation.adversary_fraction > 0, Mask: federation.secure_aggregation,
               Aggregate: federation.aggregation != "mean", Noise: federation.dp_sigma > 0 or federation.client_level_dp}
@@ -477,10 +572,16 @@ class Pipeline:
         return cls(tuple(stage for _, stage in sorted(ranked, key=lambda pair: pair[0])), federation)  # stable
 
     @classmethod
-    def for_node(cls, clip_norm: float | None) -> Pipeline:
-        """A remote node's client side: what each round's message tells it of the protocol (the
-        clip norm); the rest runs on the server, and nodes sum what they send."""
-        return cls.of(Federation(dp_clip=clip_norm)) if clip_norm is not None else cls(())
+    def for_node(cls, clip_norm: float | None, federation: Federation = Federation()) -> Pipeline:
+        """A remote node's client side: the client stages of the fit's `federation` that the node
+        was told of (`node_settings`) and what each round's message tells it (the clip norm); the
+        rest runs on the server, and nodes sum what they send."""
+        return cls.of(replace(federation, dp_clip=clip_norm if clip_norm is not None else 0.0))
+
+    def node_settings(self) -> Federation:
+        """What a remote node runs of this protocol from the start of a fit (its client state
+        depends on it): the compression and its error feedback."""
+        return Federation(compression=self.federation.compression, error_feedback=self.federation.error_feedback)
 
     def own(self) -> list[Stage]:
         """The stages of one's own (the config's `stages:`), in order."""
@@ -527,6 +628,13 @@ class Pipeline:
                 for stage in self.own()]
 
     # ---- client side ------------------------------------------------------------------------
+    def keep_state(self, half: ClientHalf, spec: codec.Spec) -> None:
+        """Give a freshly set-up client half the state its clients keep for the stages (each
+        stage's `client_state` for the method's uploads `spec`): checkpointed with the half, kept
+        by a Flower node between messages."""
+        half.protocol_state = nn.ModuleDict({stage.key: nn.ModuleDict(state) for stage in self.stages
+                                             if (state := stage.client_state(spec))})
+
     def client_rows(self, rows: ClientRows) -> ClientRows:
         for stage in self.stages:
             rows = stage.client_rows(rows)

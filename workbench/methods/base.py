@@ -150,6 +150,9 @@ class ClientHalf(nn.Module):
         self.num_classes, self.num_clients = problem.num_classes, problem.num_clients
         self.input_shape = problem.input_shape
         self.register_buffer("served", torch.zeros(0, dtype=torch.long), persistent=False)
+        # what the protocol's stages keep per client (the compressor's error feedback), by stage:
+        # set by the transport (`Pipeline.keep_state`), checkpointed and kept by a node like the rest
+        self.protocol_state = nn.ModuleDict()
 
     def setup_clients(self, served: Tensor, num_samples: int) -> None:
         """Serve the clients `served` (sorted ids) holding `num_samples` training rows in all."""

@@ -4,7 +4,7 @@ Li, Hu, Beirami & Smith, "Ditto: Fair and Robust Federated Learning Through
 Personalization" (ICML 2021). Round t, global model w_t, sampled clients k:
 
 1. Global part, exactly FedAvg: k runs local SGD from w_t on the cross-entropy and uploads
-   Δw_k (optionally compressed); the server averages.
+   Δw_k (compressed where the protocol compresses); the server averages.
 2. Personal part, never sent: k keeps its own model v_k across rounds and takes
    `personal_epochs` epochs of SGD on
 
@@ -32,11 +32,11 @@ from torch.func import functional_call
 
 from workbench.federation.client_state import ClientTable
 from workbench.methods.base import Cohort, Metrics, Problem, Uploads
-from workbench.methods.fedavg import FedAvg, FedAvgClient
-from workbench.methods.gradient import PERSONAL
+from workbench.methods.fedavg import FedAvg
+from workbench.methods.gradient import PERSONAL, GradientClient
 
 
-class DittoClient(FedAvgClient):
+class DittoClient(GradientClient):
     """FedAvg's clients, each also keeping its personal model v_k (`personal`: a `ClientTable`
     holding the clients that have trained one; the others' is still w₀)."""
 
@@ -49,7 +49,6 @@ class DittoClient(FedAvgClient):
         self.register_buffer("initial", self.flat.vector().clone(), persistent=False)
 
     def setup_state(self) -> None:
-        super().setup_state()
         self.personal = ClientTable(self.initial)
 
     def train_round(self, round_index: int, broadcast: Mapping[str, Tensor],
@@ -92,7 +91,7 @@ class Ditto(FedAvg):
         personal_epochs: local epochs on the personal objective per round (default: local.epochs).
         personal_lr: step size of the personal SGD (default: local.lr), under local.lr_schedule
             (local.momentum and local.weight_decay apply to it too).
-        **kwargs: FedAvg's arguments (rounds, head, local training, sampling, compression, seed).
+        **kwargs: FedAvg's arguments (rounds, head, local training, sampling, seed).
     """
 
     personalized = True

@@ -12,10 +12,11 @@ Round t, global model w_t (P parameters), K clients (steps 1–2 are every gradi
    of t and R only, so every client, in process or on a Flower node, uses the same).
    `local.momentum` and `local.weight_decay` act as in `torch.optim.SGD`, the momentum buffer local
    to the round.
-3. It uploads Δw_k (float32, 4·P bytes), or a compressed version (`compression.kind`: `topk`,
-   `quantize` or `sign`, see workbench/federation/compression.py) with error feedback:
-   g_k = Δw_k + e_k, sent_k = C(g_k), e_k ← g_k − sent_k (optionally bounded or decayed:
-   `error_feedback.bound`, `error_feedback.decay`).
+3. It uploads Δw_k (float32, 4·P bytes), or, under the protocol's compression
+   (`federation.compression.kind`: `topk`, `quantize` or `sign`, the compress stage of
+   workbench/federation/stages.py), a compressed version with error feedback: g_k = Δw_k + e_k,
+   sent_k = C(g_k), e_k ← g_k − sent_k (optionally bounded or decayed:
+   `federation.error_feedback.bound`, `federation.error_feedback.decay`).
 4. The server: w_{t+1} = w_t − η_s · (1/m) Σ_k sent_k  (η_s = `server_lr`; 1 is FedAvg).
 
 Under client-level DP (`federation.dp_clip`, workbench/federation/privacy.py) the protocol clips
@@ -28,9 +29,9 @@ protocol's).
 Clients are averaged with equal weights, the 1/m Σ_k of OS-FED's recovery, so that every
 method here aggregates the same way (weighting by n_k would also send n_k). The m clients
 train at once in process, vectorized (`workbench.federation.local_training.local_sgd`), each
-client shuffling with a stream of its own (the same alone on a Flower node). The client half
-keeps each client's error-feedback residual. With one client, full participation and η_s = 1,
-FedAvg is centralized minibatch SGD (tested).
+client shuffling with a stream of its own (the same alone on a Flower node); the client half
+holds each client's error-feedback residual for the compress stage. With one client, full
+participation and η_s = 1, FedAvg is centralized minibatch SGD (tested).
 """
 
 from __future__ import annotations
@@ -38,70 +39,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from torch import Tensor
-
-from workbench.federation.compression import Compression, ErrorFeedback
-from workbench.methods.base import MODEL_UPDATE, Cohort, Metrics, Problem, Upload, Uploads
-from workbench.methods.gradient import GradientClient, GradientMethod
-
-
-class FedAvgClient(GradientClient):
-    """Clients of FedAvg: local SGD from the broadcast w_t, Δw compressed with error feedback.
-
-    State: the model as last received (`net`), each served client's residual e_k (`feedback`).
-    """
-
-    def __init__(self, problem: Problem, method: FedAvg) -> None:
-        super().__init__(problem, method)
-        self.compression, self.error_feedback = method.compression, method.error_feedback
-        self.compressor = method.compression.build([p.numel() for p in self.net.parameters()])
-
-    def setup_state(self) -> None:
-        lossy = self.compression.lossy and self.error_feedback.enabled
-        self.feedback = self.error_feedback.residuals(self.flat.vector().numel()) if lossy else None
-
-    def encode(self, round_index: int, cohort: Cohort, updates: Tensor) -> tuple[Uploads, Metrics]:
-        """The clients' messages, one row each: compressed Δw with error feedback -> {"update": (m, P)}
-        (the protocol clips them under client-level DP and sums them)."""
-        slots = self.client_slots(cohort.clients)
-        target = self.feedback.target(slots, updates) if self.feedback is not None else updates
-        sent = self.compressor(target)
-        if self.feedback is not None:
-            self.feedback.keep(slots, target, sent, updates)
-        return {"update": sent}, {}
+from workbench.methods.base import Metrics, Upload, Uploads
+from workbench.methods.gradient import UPDATE, GradientMethod
 
 
 class FedAvg(GradientMethod):
-    """Federated averaging of local SGD updates, optionally compressed.
+    """Federated averaging of local SGD updates.
 
     Args:
-        compression: how Δw travels (`Compression`: kind none/topk/quantize/sign, topk_fraction,
-            quantize_bits, quantize_symmetric).
-        error_feedback: each client's carry of what compression lost (`ErrorFeedback`: enabled,
-            bound, decay).
         **kwargs: every gradient method's settings (`GradientMethod`: num_rounds, architecture,
-            hidden_dim, local, sample_fraction, server_lr, seed).
+            hidden_dim, local, sample_fraction, server_lr, seed). How the updates travel
+            (compressed, clipped, masked) is the protocol's: `federation.compression`, ...
     """
 
-    # with the compressor as its encoding once set up
-    uploads: Mapping[str, Upload] = MappingProxyType({"update": MODEL_UPDATE})
-    client_class: type[FedAvgClient] = FedAvgClient
-
-    def __init__(self, compression: Compression = Compression(), error_feedback: ErrorFeedback = ErrorFeedback(),
-                 **kwargs) -> None:
-        super().__init__(**kwargs)
-        if compression.kind == "quantize" and not compression.quantize_symmetric and compression.quantize_bits < 4 \
-                and error_feedback.enabled:
-            raise ValueError(f"{compression.quantize_bits}-bit min-max quantization is not contractive (no level at "
-                             "0), so its error feedback can grow without bound: set "
-                             "compression.quantize_symmetric=true (or compression.kind=sign for 1 bit), or "
-                             "error_feedback.enabled=false")
-        self.compression, self.error_feedback = compression, error_feedback
-
-    def setup_problem(self, problem: Problem) -> None:
-        super().setup_problem(problem)
-        compressor = self.compression.build([p.numel() for p in self.net.parameters()])
-        self.uploads = {"update": Upload(model_update=True, encoding=compressor)}
+    uploads: Mapping[str, Upload] = MappingProxyType({"update": UPDATE})
 
     def server_update(self, uploads: Uploads, num_clients: float) -> Metrics:
         self.apply_update(uploads["update"] / num_clients)

@@ -1,8 +1,8 @@
 """FedAvgM: FedAvg with momentum on the server.
 
 Hsu, Qi & Brown, "Measuring the Effects of Non-Identical Data Distribution for Federated Visual
-Classification" (2019). The clients are FedAvg's (local SGD, the same uploads and bytes, optional
-compression with error feedback); the server keeps a velocity v (P numbers, v₀ = 0, kept in
+Classification" (2019). The clients are FedAvg's (local SGD, the same uploads and bytes, compressed
+where the protocol compresses); the server keeps a velocity v (P numbers, v₀ = 0, kept in
 checkpoints) and steps along it instead of the round's mean update:
 
     v ← β v + (1/m) Σ_k Δw_k,        w_{t+1} = w_t − η_s v,
@@ -24,7 +24,7 @@ class FedAvgM(FedAvg):
 
     Args:
         server_momentum: β in [0, 1).
-        **kwargs: FedAvg's arguments (`local`, `compression`, `server_lr`, ...).
+        **kwargs: FedAvg's arguments (`local`, `server_lr`, ...).
     """
 
     velocity: Tensor  # (P,) v, a buffer from `setup_problem`

@@ -2,7 +2,7 @@
 
 Reddi, Charles, Zaheer, Garrett, Rush, Konečný, Kumar & McMahan, "Adaptive Federated
 Optimization" (ICLR 2021). The clients are FedAvg's (local SGD, the same uploads and bytes,
-optional compression with error feedback). The server treats the negated mean update as a
+compressed where the protocol compresses). The server treats the negated mean update as a
 pseudo-gradient, g = (1/m) Σ_k Δw_k (Δw_k = w_t − w_k here, so the paper's Δ is −g), and keeps
 two moments of it (P numbers each, zero at the start, kept in checkpoints):
 
@@ -36,7 +36,7 @@ class ServerOptimizer(FedAvg):
         beta1: β₁ in [0, 1), the first moment's decay.
         beta2: β₂ in [0, 1), the second moment's (FedAdam, FedYogi; FedAdagrad sums).
         tau: τ > 0, added to √v.
-        **kwargs: FedAvg's arguments (`local`, `compression`, `num_rounds`, ...).
+        **kwargs: FedAvg's arguments (`local`, `num_rounds`, ...).
     """
 
     first_moment: Tensor   # m, buffers from `setup_problem`

@@ -22,20 +22,25 @@ never its learned state).
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
+from dataclasses import replace
 from types import MappingProxyType
 
 import torch
 from torch import Tensor, nn
 
+from workbench.federation.codec import FLOAT32
+from workbench.federation.compression import as_sent
 from workbench.federation.local_training import LocalTraining, local_sgd
 from workbench.federation.protocol import Federation
 from workbench.methods.analytic_start import NO_START, START_UPLOADS, AnalyticStart, activations, head_names, load_head
-from workbench.methods.base import ClientHalf, Cohort, FederatedMethod, Metrics, Problem, RoundPlan, Uploads
+from workbench.methods.base import ClientHalf, Cohort, FederatedMethod, Metrics, Problem, RoundPlan, Upload, Uploads
 from workbench.methods.heads import Architecture, build_model
 
 SAMPLING, MINIBATCHES, SNAPSHOTS, PERSONAL = 0, 1, 2, 3  # the random streams of a round
+#: a client's model update, one row per client, sent as float32 whatever the compute dtype (the
+#: protocol may compress it: `federation.compression`)
+UPDATE = Upload(model_update=True, encoding=FLOAT32)
 
 #: flat settings of workbench 0.2 and where they live now (the command line names the new key)
 MOVED_SETTINGS = {
@@ -43,15 +48,20 @@ MOVED_SETTINGS = {
     "lr_schedule": "local.lr_schedule", "lr_final_fraction": "local.lr_final_fraction",
     "lr_step_rounds": "local.lr_step_rounds", "lr_gamma": "local.lr_gamma", "momentum": "local.momentum",
     "weight_decay": "local.weight_decay",
-    "topk_fraction": "compression.topk_fraction", "quantize_bits": "compression.quantize_bits",
-    "quantize_symmetric": "compression.quantize_symmetric",
-    "error_feedback_bound": "error_feedback.bound", "error_feedback_decay": "error_feedback.decay",
     "grid_size": "snapshot.grid_size", "snapshot_resolution": "snapshot.resolution",
     "cell_scale": "snapshot.cell_scale", "lbfgs_steps": "snapshot.lbfgs_steps",
     "lbfgs_history": "snapshot.lbfgs_history", "match_eps": "snapshot.match_eps",
 }
-#: flat values of 0.2 that became a group: `compression: topk` is now `compression.kind: topk`
-MOVED_VALUES = {"compression": "compression.kind", "error_feedback": "error_feedback.enabled"}
+#: the update's compression, a method setting until workbench 0.3, is the protocol's
+#: (`federation.compression`, `federation.error_feedback`: the compress stage); OS-FED keeps an
+#: error feedback of its own, for its snapshots
+MOVED_TO_PROTOCOL = {
+    "compression": "federation.compression", "topk_fraction": "federation.compression.topk_fraction",
+    "quantize_bits": "federation.compression.quantize_bits",
+    "quantize_symmetric": "federation.compression.quantize_symmetric",
+    "error_feedback": "federation.error_feedback", "error_feedback_bound": "federation.error_feedback.bound",
+    "error_feedback_decay": "federation.error_feedback.decay",
+}
 
 
 def round_generator(seed: int, round_index: int, stream: int) -> torch.Generator:
@@ -145,13 +155,13 @@ class GradientClient(ClientHalf):
         if len(cohort.clients) == 0:
             return {}, {}
         updates = self.flat.vector() - self.flat.flatten(self.local_sgd(round_index, cohort))  # Δw_k: (m, P)
-        start = time.perf_counter()
-        uploads, metrics = self.encode(round_index, cohort, updates)
-        return uploads, {**metrics, "time/compress_s": time.perf_counter() - start}
+        return self.encode(round_index, cohort, updates)
 
     def encode(self, round_index: int, cohort: Cohort, updates: Tensor) -> tuple[Uploads, Metrics]:
-        """The cohort's messages of their updates Δw (m, P) (compressed, or fitted snapshots)."""
-        raise NotImplementedError
+        """The cohort's messages of their updates Δw (m, P): the updates themselves as they cross
+        the wire (float32), one row per client, which the protocol compresses and clips; or a message
+        of the method's own."""
+        return {"update": as_sent(updates)}, {}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -179,7 +189,7 @@ class GradientMethod(FederatedMethod):
     needs_feature_vectors = False  # a cnn trains on images
     prox_mu = 0.0  # FedProx's μ: a proximal pull of local SGD towards w_t
     # the command line names the new key of a setting given the old way
-    moved_settings = MappingProxyType({**MOVED_SETTINGS, **MOVED_VALUES})
+    moved_settings = MappingProxyType({**MOVED_SETTINGS, **MOVED_TO_PROTOCOL})
 
     # the analytic start's heads, buffers from `setup_problem` where `init_from` is enabled
     start_weight: Tensor  # (width, C)
@@ -231,6 +241,10 @@ class GradientMethod(FederatedMethod):
     def setup_problem(self, problem: Problem) -> None:
         self.net = self.build_net(problem)
         self.flat = Flat(self.net)
+        # the updates' parameter tensors, for a compressor's per-tensor scales
+        sizes = tuple(parameter.numel() for parameter in self.net.parameters())
+        self.uploads = {name: replace(upload, sizes=sizes) if upload.model_update else upload
+                        for name, upload in self.uploads.items()}
         if self.init_from.enabled:  # the start's heads, kept between its rounds (resumable)
             width = activations(self.net, torch.zeros(1, *problem.input_shape), 1).shape[1]
             dtype = self.init_from.stat_dtype

@@ -51,6 +51,7 @@ so above 1 the round moved the model farther from FedAvg's step than not moving 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -63,7 +64,7 @@ from workbench.federation.codec import WireSize
 from workbench.federation.compression import ErrorFeedback, as_sent
 from workbench.federation.local_training import client_generator, lbfgs
 from workbench.methods.base import STACKED, Cohort, Metrics, Problem, Upload, Uploads
-from workbench.methods.gradient import SNAPSHOTS, GradientClient, GradientMethod, round_seed
+from workbench.methods.gradient import MOVED_SETTINGS, SNAPSHOTS, GradientClient, GradientMethod, round_seed
 
 
 def multi_grid(grid_map: Tensor, grid_size: int, size: tuple[int, int]) -> Tensor:
@@ -318,6 +319,7 @@ class OSFEDClient(SnapshotGeometry, GradientClient):
 
     def encode(self, round_index: int, cohort: Cohort, updates: Tensor) -> tuple[Uploads, Metrics]:
         """Fit S_k* to Δg_k = Δw_k + e_k, keep e_k ← Δg_k − g(S_k*), upload the snapshots (stacked)."""
+        start = time.perf_counter()
         slots = self.client_slots(cohort.clients)
         targets = self.feedback.target(slots, updates) if self.feedback is not None else updates
         snapshot, labels, recovered, loss = self.fit_snapshots(targets, self.initial_snapshots(round_index, cohort))
@@ -330,7 +332,8 @@ class OSFEDClient(SnapshotGeometry, GradientClient):
         fresh = ((recovered - updates) ** 2).sum(1) / (size**2 + self.match_eps)
         metrics = {"osfed/match_loss": float(loss.sum()), "osfed/match_loss_fresh": float(fresh.sum()),
                    "osfed/residual_norm": float(residual.norm(dim=1).sum()),
-                   "osfed/residual_ratio": float((residual.norm(dim=1) / size.clamp_min(tiny)).sum())}
+                   "osfed/residual_ratio": float((residual.norm(dim=1) / size.clamp_min(tiny)).sum()),
+                   "time/compress_s": time.perf_counter() - start}  # the snapshot fit is its compression
         uploads = {"snapshot_inputs": snapshot.float(), "snapshot_labels": labels.float()}
         if self.diagnostics:
             uploads["diagnostic_update"] = updates.sum(0).float()  # Σ Δw_k, for the server's diagnostics
@@ -356,6 +359,10 @@ class OSFED(SnapshotGeometry, GradientMethod):
     uploads = MappingProxyType({"snapshot_inputs": STACKED, "snapshot_labels": STACKED,
                "diagnostic_update": Upload(encoding=WireSize(0))})
     client_class = OSFEDClient
+    # its error feedback is its own (of the snapshots), not the protocol's compression
+    moved_settings = MappingProxyType({**MOVED_SETTINGS, "error_feedback": "error_feedback.enabled",
+                                       "error_feedback_bound": "error_feedback.bound",
+                                       "error_feedback_decay": "error_feedback.decay"})
 
     def __init__(self, snapshot: Snapshot = Snapshot(), error_feedback: ErrorFeedback = ErrorFeedback(),
                  diagnostics: bool = False, **kwargs) -> None:

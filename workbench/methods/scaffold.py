@@ -39,13 +39,10 @@ import torch
 from torch import Tensor
 
 from workbench.federation.client_state import ClientTable
-from workbench.federation.codec import FLOAT32
 from workbench.federation.compression import as_sent
 from workbench.federation.local_training import local_steps
-from workbench.methods.base import Cohort, Metrics, Problem, RoundPlan, Upload, Uploads
-from workbench.methods.gradient import GradientClient, GradientMethod
-
-DELTA = Upload(model_update=True, encoding=FLOAT32)  # a client's row, sent as float32 whatever the compute dtype
+from workbench.methods.base import Cohort, Metrics, Problem, RoundPlan, Uploads
+from workbench.methods.gradient import UPDATE, GradientClient, GradientMethod
 
 
 class ScaffoldClient(GradientClient):
@@ -82,11 +79,11 @@ class SCAFFOLD(GradientMethod):
         **kwargs: every gradient method's settings (`GradientMethod`: num_rounds, architecture,
             hidden_dim, local, sample_fraction, server_lr (η_g), seed). `local.lr` is η_l and its
             schedule applies (option II divides by the round's η_l); no momentum (option II
-            assumes plain steps). Uploads are dense float32 (the control variates are not
-            compressed).
+            assumes plain steps). Uploads are dense float32; under the protocol's compression
+            (`federation.compression`) Δy and Δc are each compressed, with error feedback of their own.
     """
 
-    uploads = MappingProxyType({"delta_y": DELTA, "delta_c": DELTA})
+    uploads = MappingProxyType({"delta_y": UPDATE, "delta_c": UPDATE})
     client_class = ScaffoldClient
 
     control: Tensor  # (P,) c, a buffer from `setup_problem`

@@ -4,7 +4,8 @@ The fit's first message to a node (`query`) carries the run's spec (`RunSpec`); 
 it in its own `context.state` (Flower keeps that per node and run; it never leaves the node).
 Every later message carries only what its round needs, with the fit's session and the spec's
 digest. The first message after that builds the method from the kept spec (its settings, never
-learned state) and the client half for this node's client k (`partition-id`); the process keeps
+learned state) and the client half for this node's client k (`partition-id`), with the state the
+protocol's client stages keep (the compressor's error feedback, `RunSpec.protocol`); the process keeps
 both (`Node`, per run and node) for the messages after, so a message neither re-parses the
 spec nor rebuilds anything. After its work a message saves the half's buffers and parameters
 back into `context.state`, with a token: a process whose half does not hold the saved state
@@ -57,6 +58,7 @@ from workbench.engines.flower.spec import (
 )
 from workbench.federation import codec
 from workbench.federation.client_step import client_step
+from workbench.federation.protocol import Federation
 from workbench.federation.secure_aggregation import SecureAggregator
 from workbench.federation.stages import Pipeline
 from workbench.methods.base import ClientHalf, Cohort, FederatedMethod, Problem
@@ -154,6 +156,7 @@ class Node:
     method: FederatedMethod
     half: ClientHalf
     data: ClientData
+    protocol: Federation  # what the node runs of the protocol from the start (`RunSpec.protocol`)
     holds: str | None = None  # the token of the node's saved state the half holds; None: fresh
     built: bool = True  # this message built the method and the half
     restored: bool = False  # this message restored the node's saved state into a fresh half
@@ -165,8 +168,7 @@ class Node:
         self.marks = _marks(self.half)
 
     def fresh_half(self) -> None:
-        self.half = self.method.client_half()
-        self.half.setup_clients(torch.tensor([self.data.client]), len(self.data.labels))
+        self.half = client_half(self.method, self.data, self.protocol)
         self.holds = None
         self.marks = _marks(self.half)
 
@@ -190,6 +192,14 @@ class Node:
         self.marks, self.holds = marks, uuid.uuid4().hex
         context.state[STATE_KEY] = ArrayRecord(arrays)
         context.state.config_records[NODE_KEY]["state"] = self.holds
+
+
+def client_half(method: FederatedMethod, data: ClientData, protocol: Federation) -> ClientHalf:
+    """A fresh half serving the node's client, with the state its protocol keeps per client."""
+    half = method.client_half()
+    half.setup_clients(torch.tensor([data.client]), len(data.labels))
+    Pipeline.for_node(None, protocol).keep_state(half, method.uploads)
+    return half
 
 
 def _marks(half: ClientHalf) -> dict[str, tuple]:
@@ -223,9 +233,8 @@ def node(message: Message, context: Context) -> Node:
         method.setup(data.problem)
         for other in [other for other, held in _nodes.items() if other[0] != key[0] or held.session != session]:
             del _nodes[other]  # another run's or fit's clients: done with
-        half = method.client_half()
-        half.setup_clients(torch.tensor([data.client]), len(data.labels))
-        here = _nodes[key] = Node(session, digest, method, half, data)
+        protocol = spec.build_protocol()
+        here = _nodes[key] = Node(session, digest, method, client_half(method, data, protocol), data, protocol)
     here.built, here.restored = built, False
     token = kept.get("state")
     if token != here.holds:  # the node's state moved on elsewhere (or the half was never restored)
@@ -293,7 +302,7 @@ def train(message: Message, context: Context) -> tuple[RecordDict, int]:
     round_index, lost, secure = int(number(settings, "round")), flag(settings, "lost"), text(settings, "secure")
     clip_norm = number(settings, "clip_norm") if number(settings, "clip_norm") >= 0 else None  # -1: no clipping
     broadcast = from_record(message.content.array_records["broadcast"])
-    pipeline = Pipeline.for_node(clip_norm)
+    pipeline = Pipeline.for_node(clip_norm, here.protocol)
     sent = client_step(here.half, here.method.uploads, round_index, broadcast, here.data.cohort(), clip_norm, pipeline)
     content = RecordDict()
     bytes_up = 0

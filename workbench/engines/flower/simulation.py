@@ -48,7 +48,7 @@ def fit_over_grid(grid: Grid, trainer: Trainer, engine: LightningEngine, datamod
     start afresh on their nodes)."""
     if trainer.world_size > 1:
         raise ValueError("the Flower engine runs the server in one process: set trainer.devices=1")
-    clients = FlowerClients(grid, engine.method, datamodule, settings)
+    clients = FlowerClients(grid, engine.method, datamodule, settings, engine.pipeline)
     engine.remote_clients, engine.clients = clients, None  # the engine's clients for this run: the nodes
     log_traffic = LogTraffic(clients.traffic)
     trainer.callbacks.append(log_traffic)  # type: ignore[attr-defined]  # Lightning sets it at run time

@@ -5,7 +5,8 @@
 - `to_record` / `from_record`: named tensors <-> an `ArrayRecord` (numpy .npy bytes per array);
   `record_views`: read-only tensors over a record's bytes, to copy from.
 - `half_state` / `restore_half`: every buffer and parameter of a client half (persistent or not:
-  DeepAFL's Φ cache, Ditto's personal heads, error feedback), kept by a node between messages.
+  DeepAFL's Φ cache, Ditto's personal heads, the compress stage's error feedback), kept by a node
+  between messages.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from torch import Tensor, nn
 
 from workbench import data as data_classes
 from workbench import methods as method_classes
+from workbench.federation.protocol import Federation
 from workbench.methods.base import FederatedMethod
 from workbench.settings import construct, init_arguments, plain
 
@@ -47,17 +49,21 @@ def _is_method(value: object) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
-    """The method and data classes with their init arguments as JSON: all a ClientApp needs to
-    rebuild both (the method from its settings, never from learned state)."""
+    """The method and data classes with their init arguments as JSON, and the protocol's settings a
+    node runs on its side from the start (`Pipeline.node_settings`: the compression and its error
+    feedback, whose state the node keeps): all a ClientApp needs to rebuild them (the method from
+    its settings, never from learned state)."""
 
     method: str
     method_args: str
     data: str
     data_args: str
+    protocol: str = "{}"
 
     @classmethod
-    def of(cls, method: FederatedMethod, datamodule) -> RunSpec:
-        return cls(type(method).__name__, _init_args(method), type(datamodule).__name__, _init_args(datamodule))
+    def of(cls, method: FederatedMethod, datamodule, protocol: Federation = Federation()) -> RunSpec:
+        return cls(type(method).__name__, _init_args(method), type(datamodule).__name__, _init_args(datamodule),
+                   json.dumps(plain(protocol, strict=True), sort_keys=True))
 
     @property
     def digest(self) -> str:
@@ -77,6 +83,10 @@ class RunSpec:
         if self.method not in method_classes.__all__ or not _is_method(method_class):
             raise ValueError(f"unknown method {self.method!r}; this install has {method_classes.__all__}")
         return construct(cast(type, method_class), json.loads(self.method_args))
+
+    def build_protocol(self) -> Federation:
+        """The protocol's settings a node runs on its side (`Pipeline.for_node` adds each round's)."""
+        return construct(Federation, json.loads(self.protocol))
 
     def build_data(self) -> LightningDataModule:
         data_class = getattr(data_classes, self.data, None)

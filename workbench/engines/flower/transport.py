@@ -28,6 +28,7 @@ from workbench.engines.flower_settings import FlowerSettings
 from workbench.engines.round import Replies, RoundRequest, add_metrics
 from workbench.federation import codec
 from workbench.federation.secure_aggregation import ring_sum
+from workbench.federation.stages import NO_PROTOCOL, Pipeline
 from workbench.methods.base import FederatedMethod
 
 # Flower's errors that mean a node's reply is lost, not that its ClientApp failed: the client is
@@ -102,14 +103,18 @@ class FlowerClients:
         datamodule: the server's copy of the data module (set up here): the spec the clients
             rebuild it from, and the sample counts each node must confirm.
         settings: the deadlines (`FlowerSettings`).
+        pipeline: the fit's protocol (`LightningEngine.pipeline`): the nodes run its client stages
+            that keep state (the compression), told at their introduction.
     """
 
-    def __init__(self, grid: Grid, method: FederatedMethod, datamodule, settings: FlowerSettings | None = None) -> None:
+    def __init__(self, grid: Grid, method: FederatedMethod, datamodule, settings: FlowerSettings | None = None,
+                 pipeline: Pipeline = NO_PROTOCOL) -> None:
         datamodule.setup("fit")
         self.grid: Grid | None = grid
         self.method, self.datamodule = method, datamodule
         self.settings = settings or FlowerSettings()
-        self.spec = RunSpec.of(method, datamodule)
+        self.protocol = pipeline.node_settings()  # what the nodes run of the fit's protocol from the start
+        self.spec = RunSpec.of(method, datamodule, self.protocol)
         self.digest = self.spec.digest
         self.session = uuid.uuid4().hex  # the nodes' kept state belongs to this fit
         self.traffic = FlowerTraffic()
@@ -319,6 +324,10 @@ class FlowerClients:
         """One round on the cohort's nodes: every client computes (its state stays current); only
         the survivors' uploads count, combined in client order (sums; stacks concatenated). A
         survivor whose reply does not come is missing."""
+        if request.pipeline.node_settings() != self.protocol:
+            raise ValueError(f"the SuperNodes were introduced to a fit under another protocol "
+                             f"({Pipeline.of(self.protocol).line() or 'none of its parts'} on the clients) than "
+                             f"this round's: build FlowerClients with the fit's pipeline (engine.pipeline)")
         start = time.perf_counter()
         survivors, lost = request.survivors.tolist(), request.lost.tolist()
         secure_settings = "" if request.secure is None else json.dumps(request.secure.settings())
