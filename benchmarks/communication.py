@@ -34,6 +34,7 @@ from lightning import Callback, Trainer
 from benchmarks.common import machine_line, write_report
 from workbench.data import FederatedDataModule, SyntheticBlobs
 from workbench.engines import LightningEngine
+from workbench.federation import Federation
 from workbench.federation.compression import Compression, ErrorFeedback
 from workbench.federation.local_training import LocalTraining
 from workbench.methods import OSFED, SCAFFOLD, FedAvg, FedProx
@@ -71,11 +72,17 @@ class RoundLog(Callback):
         self.rows.append(row)
 
 
-def run(method, datamodule: FederatedDataModule) -> list[dict[str, float]]:
-    """A fit of `method` in process (`LightningEngine`), one row per round: test accuracy,
-    cumulative upload, times and OS-FED's `osfed/*` diagnostics."""
+def compressed(**compression) -> Federation:
+    """The protocol that compresses every client's update (`Compression(**compression)`), with error feedback."""
+    return Federation(compression=Compression(**compression))
+
+
+def run(method, datamodule: FederatedDataModule, federation: Federation | None = None) -> list[dict[str, float]]:
+    """A fit of `method` in process (`LightningEngine`) under `federation` (default: none of its
+    parts), one row per round: test accuracy, cumulative upload, times and OS-FED's `osfed/*`
+    diagnostics."""
     log = RoundLog(datamodule.test_features, datamodule.test_labels)
-    engine = LightningEngine(method)
+    engine = LightningEngine(method, federation)
     trainer = Trainer(
         logger=False,
         enable_checkpointing=False,
@@ -187,38 +194,39 @@ def main() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     start = time.perf_counter()
 
-    def feature_methods() -> dict[str, object]:
+    # each run: (method, the protocol it runs under; None: plain, uncompressed)
+    def feature_methods() -> dict[str, tuple[object, Federation | None]]:
         common = dict(num_rounds=args.rounds, architecture="mlp", hidden_dim=args.hidden_dim, seed=0,
                       local=LocalTraining(lr=args.lr, batch_size=args.batch_size, epochs=1))
         return {
-            "FedAvg": FedAvg(**common),
-            f"FedProx (μ={args.mu:g})": FedProx(mu=args.mu, **common),
-            "SCAFFOLD": SCAFFOLD(**common),
+            "FedAvg": (FedAvg(**common), None),
+            f"FedProx (μ={args.mu:g})": (FedProx(mu=args.mu, **common), None),
+            "SCAFFOLD": (SCAFFOLD(**common), None),
             f"top-k {100 * args.topk_fraction:g}% + EF":
-                FedAvg(**common, compression=Compression(kind="topk", topk_fraction=args.topk_fraction)),
-            "8-bit + EF": FedAvg(**common, compression=Compression(kind="quantize", quantize_bits=8)),
-            "4-bit + EF": FedAvg(**common, compression=Compression(kind="quantize", quantize_bits=4)),
-            "OS-FED M=2": OSFED(**common, snapshot=Snapshot(grid_size=2, lbfgs_steps=args.lbfgs_steps)),
-            "OS-FED M=4": OSFED(**common, snapshot=Snapshot(grid_size=4, lbfgs_steps=args.lbfgs_steps)),
-            "OS-FED M=2, no EF": OSFED(**common, snapshot=Snapshot(grid_size=2, lbfgs_steps=args.lbfgs_steps),
-                                       error_feedback=ErrorFeedback(enabled=False)),
-            "OS-FED M=4, no EF": OSFED(**common, snapshot=Snapshot(grid_size=4, lbfgs_steps=args.lbfgs_steps),
-                                       error_feedback=ErrorFeedback(enabled=False)),
+                (FedAvg(**common), compressed(kind="topk", topk_fraction=args.topk_fraction)),
+            "8-bit + EF": (FedAvg(**common), compressed(kind="quantize", quantize_bits=8)),
+            "4-bit + EF": (FedAvg(**common), compressed(kind="quantize", quantize_bits=4)),
+            "OS-FED M=2": (OSFED(**common, snapshot=Snapshot(grid_size=2, lbfgs_steps=args.lbfgs_steps)), None),
+            "OS-FED M=4": (OSFED(**common, snapshot=Snapshot(grid_size=4, lbfgs_steps=args.lbfgs_steps)), None),
+            "OS-FED M=2, no EF": (OSFED(**common, snapshot=Snapshot(grid_size=2, lbfgs_steps=args.lbfgs_steps),
+                                        error_feedback=ErrorFeedback(enabled=False)), None),
+            "OS-FED M=4, no EF": (OSFED(**common, snapshot=Snapshot(grid_size=4, lbfgs_steps=args.lbfgs_steps),
+                                        error_feedback=ErrorFeedback(enabled=False)), None),
         }
 
-    def cnn_methods() -> dict[str, object]:
+    def cnn_methods() -> dict[str, tuple[object, Federation | None]]:
         common = dict(num_rounds=args.cnn_rounds, architecture="cnn", seed=0,
                       local=LocalTraining(lr=args.lr, batch_size=32, epochs=1))
         map28 = Snapshot(grid_size=2, resolution=28, lbfgs_steps=args.lbfgs_steps)
         return {
-            "FedAvg": FedAvg(**common),
-            "SCAFFOLD": SCAFFOLD(**common),
+            "FedAvg": (FedAvg(**common), None),
+            "SCAFFOLD": (SCAFFOLD(**common), None),
             f"top-k {100 * args.topk_fraction:g}% + EF":
-                FedAvg(**common, compression=Compression(kind="topk", topk_fraction=args.topk_fraction)),
-            "4-bit + EF": FedAvg(**common, compression=Compression(kind="quantize", quantize_bits=4)),
-            "OS-FED M=2 (28×28 map)": OSFED(**common, snapshot=map28),
+                (FedAvg(**common), compressed(kind="topk", topk_fraction=args.topk_fraction)),
+            "4-bit + EF": (FedAvg(**common), compressed(kind="quantize", quantize_bits=4)),
+            "OS-FED M=2 (28×28 map)": (OSFED(**common, snapshot=map28), None),
             "OS-FED M=2 (28×28 map), no EF":
-                OSFED(**common, snapshot=map28, error_feedback=ErrorFeedback(enabled=False)),
+                (OSFED(**common, snapshot=map28, error_feedback=ErrorFeedback(enabled=False)), None),
         }
 
     parts = {
@@ -263,8 +271,8 @@ def main() -> None:
     for title, (datamodule, make_methods, rounds) in parts.items():
         datamodule.setup()
         runs = {}
-        for name, method in make_methods().items():
-            runs[name] = run(method, datamodule)
+        for name, (method, federation) in make_methods().items():
+            runs[name] = run(method, datamodule, federation)
             print(f"{title} | {name}: acc {100 * runs[name][-1]['acc']:.2f}", flush=True)
         curves[title] = runs
         reference = runs["FedAvg"][-1]["bytes_per_client"]

@@ -35,9 +35,10 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import load_average, machine_line, write_report
-from benchmarks.communication import markdown, run
+from benchmarks.communication import compressed, markdown, run
 from workbench.data import FederatedDataModule
-from workbench.federation.compression import FLOAT_BYTES, Compression, ErrorFeedback, index_bytes
+from workbench.federation import Federation
+from workbench.federation.compression import FLOAT_BYTES, ErrorFeedback, index_bytes
 from workbench.federation.local_training import LocalTraining, scheduled_lr
 from workbench.methods import OSFED, FedAvg
 from workbench.methods.osfed import Snapshot
@@ -88,9 +89,9 @@ def osfed_main(argv: list[str]) -> None:
     out = Path(args.out)
     runs: dict[str, list[dict[str, float]]] = {}
 
-    def record(name: str, method) -> None:
+    def record(name: str, method, federation: Federation | None = None) -> None:
         begun = time.perf_counter()
-        runs[name] = run(method, datamodule)
+        runs[name] = run(method, datamodule, federation)
         print(f"{name}: final acc {100 * runs[name][-1]['acc']:.2f} ({(time.perf_counter() - begun) / 60:.1f} min)",
               flush=True)
         report(runs, args, out, load_at_start, time.perf_counter() - start)  # partial results survive a stop
@@ -100,12 +101,12 @@ def osfed_main(argv: list[str]) -> None:
     params = round(runs["FedAvg"][-1]["bytes_per_client"] / FLOAT_BYTES)
     snapshot_bytes = runs[PAPER_OSFED][-1]["bytes_per_client"]
     k = max(1, math.floor(snapshot_bytes / (FLOAT_BYTES + index_bytes(params))))  # top-k at ≤ OS-FED's bytes
-    record(f"top-k {100 * k / params:.1f}% + EF",
-           FedAvg(**common, compression=Compression(kind="topk", topk_fraction=(k - 0.5) / params)))
-    record("4-bit + EF", FedAvg(**common, compression=Compression(kind="quantize", quantize_bits=4)))
+    record(f"top-k {100 * k / params:.1f}% + EF", FedAvg(**common),
+           compressed(kind="topk", topk_fraction=(k - 0.5) / params))
+    record("4-bit + EF", FedAvg(**common), compressed(kind="quantize", quantize_bits=4))
     record("OS-FED M=2, EF bounded ‖e‖ ≤ ‖Δw‖", OSFED(**osfed, error_feedback=ErrorFeedback(bound=1.0)))
     record("OS-FED M=2, no EF", OSFED(**osfed, error_feedback=ErrorFeedback(enabled=False)))
-    record("scaled sign + EF", FedAvg(**common, compression=Compression(kind="sign")))
+    record("scaled sign + EF", FedAvg(**common), compressed(kind="sign"))
 
 
 def rerender(args) -> None:

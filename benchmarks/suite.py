@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import fit_engine, hot_functions, load_average, machine_line, write_report
 from workbench.data import FederatedDataModule
 from workbench.engines.stopping import Stopping
+from workbench.federation import Federation
 from workbench.federation.compression import Compression, ErrorFeedback
 from workbench.federation.local_training import LocalTraining
 from workbench.methods import (
@@ -108,6 +109,7 @@ class Entry:
     tune: str | None = None
     budget: int | None = None  # rounds at most; None: the suite's (--budget)
     holdout: bool = False  # trained on the 90 % shares though one-round (AFL, the gradient methods' control)
+    federation: Federation | None = None  # the protocol it runs under (the compressed FedAvgs'); None: plain
 
     @property
     def on_holdouts(self) -> bool:
@@ -127,14 +129,11 @@ METHODS = [
                               raw_features=True, gamma=1.0, gamma_out=1.0)),
     Entry("GH-OFL", "global", "all six heads, shrinkage 0.05, no sketch, FisherMix / Proto-Hyper defaults",
           lambda lr, n: GHOFL(heads=GH_HEADS, primary_head="lda", shrinkage=0.05, sketch_dim=None)),
-    Entry("FedAvg", "global", "MLP 64, 1 epoch, B 64",
-          lambda lr, n: FedAvg(num_rounds=n, **mlp(lr), compression=Compression(kind="none")), "grid"),
-    Entry("FedAvg top-k", "global", "top-k 1% + EF",
-          lambda lr, n: FedAvg(num_rounds=n, **mlp(lr), compression=Compression(kind="topk", topk_fraction=0.01)),
-          "FedAvg"),
-    Entry("FedAvg quantize", "global", "8-bit + EF",
-          lambda lr, n: FedAvg(num_rounds=n, **mlp(lr), compression=Compression(kind="quantize", quantize_bits=8)),
-          "FedAvg"),
+    Entry("FedAvg", "global", "MLP 64, 1 epoch, B 64", lambda lr, n: FedAvg(num_rounds=n, **mlp(lr)), "grid"),
+    Entry("FedAvg top-k", "global", "top-k 1% + EF", lambda lr, n: FedAvg(num_rounds=n, **mlp(lr)), "FedAvg",
+          federation=Federation(compression=Compression(kind="topk", topk_fraction=0.01))),
+    Entry("FedAvg quantize", "global", "8-bit + EF", lambda lr, n: FedAvg(num_rounds=n, **mlp(lr)), "FedAvg",
+          federation=Federation(compression=Compression(kind="quantize", quantize_bits=8))),
     Entry("FedProx", "global", "μ = 0.01", lambda lr, n: FedProx(mu=0.01, num_rounds=n, **mlp(lr)), "grid"),
     Entry("SCAFFOLD", "global", "option II, η_g = 1",
           lambda lr, n: SCAFFOLD(num_rounds=n, server_lr=1.0, **mlp(lr)), "grid"),
@@ -161,7 +160,7 @@ def percent(value: float | None) -> str:
 def run(entry: Entry, setting: str, method, data: FederatedDataModule, stopping: Stopping | None = None) -> list[dict]:
     """Fit and test one method -> its table rows (GH-OFL: one per head, from the same fit)."""
     start, cpu_start = time.perf_counter(), time.process_time()
-    engine, tested = fit_engine(method, data, stopping=stopping)
+    engine, tested = fit_engine(method, data, entry.federation, stopping=stopping)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     fit = engine.fit_metrics
     row = {"method": entry.name, "protocol": entry.protocol, "setting": setting,
