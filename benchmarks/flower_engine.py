@@ -112,7 +112,7 @@ class ClientsAlone:
 
     def __init__(self, make_method, data: FederatedDataModule) -> None:
         data.setup("fit")
-        problem = LightningEngine.problem_of(data)
+        problem = LightningEngine.problem_of(data.population())
         self.nodes = {}
         for client in range(data.num_clients):
             method = make_method()

@@ -138,9 +138,8 @@ def dropping_clients(dropped: dict[int, list[int]]) -> Iterator[None]:
     own = LightningEngine._local_clients
 
     def local_clients(engine, data) -> DroppingClients:
-        clients = DroppingClients(engine.method, data.train_features, data.train_labels, data.train_client_ids,
-                                  torch.unique(data.train_client_ids), data.hparams.batch_size, engine.federation,
-                                  engine.stages)
+        clients = DroppingClients(engine.method, data.train.features, data.train.labels, data.client_ids,
+                                  data.clients, data.batch_size, engine.federation, engine.stages)
         clients.dropped, clients.away = dropped, set()
         return clients
 

@@ -90,7 +90,7 @@ def fit(name: str, federation: Federation | None = None, one_by_one: bool = Fals
     if one_by_one:
         from workbench.methods.base import Problem
 
-        method.setup(Problem.of(dm))
+        method.setup(Problem.of(dm.population()))
         clients = OneByOneClients(method, dm, federation)
     engine = LightningEngine(method, federation, clients=clients)
     trainer = quiet_trainer()

@@ -35,7 +35,7 @@ def fit(name: str, dm: FederatedDataModule, device: torch.device, record: Transf
     method = METHODS[name][0]()
     if local_epochs is not None:
         method.local = replace(method.local, epochs=local_epochs)
-    method.setup(Problem.of(dm))
+    method.setup(Problem.of(dm.population()))
     ids = dm.train_client_ids.to(device)
     federation = protocol_of(name) or Federation()
     clients = LocalClients(method, dm.train_features.to(device), dm.train_labels.to(device), ids,

@@ -70,7 +70,8 @@ def test_a_client_rebuilds_the_same_method_and_data_from_the_spec():
     assert rebuilt_data.synthetic == data.synthetic  # a dataclass argument survives the JSON
     share = client_app.client_data(spec, 1, 3)
     data.setup("fit")
-    assert torch.equal(share.features, data.train_features[data.train_client_ids == 1])
+    assert share.client == 1
+    assert torch.equal(share.share.train.features, data.train_features[data.train_client_ids == 1])
     with pytest.raises(ValueError, match=r"num-partitions = 4 .* num_clients = 3"):
         client_app.client_data(spec, 1, 4)
     with pytest.raises(ValueError, match="unknown method 'Trainer'"):
@@ -131,9 +132,8 @@ def test_the_client_app_replies_with_the_client_update_of_its_own_rows(as_server
     spec = RunSpec.of(method, data)
     data.setup("fit")
     method.setup(Problem((12,), data.num_classes, 3))
-    rows = data.train_client_ids == 1
-    expected, _ = method.client_half().client_update(0, {}, client_app.ClientData(
-        1, method.problem, data.train_features[rows], data.train_labels[rows], 128).cohort())
+    expected, _ = method.client_half().client_update(0, {}, client_app.NodeData(
+        data.population().client(1), method.problem, 128).cohort())
 
     reply = client_app.train(train_message(spec, 0, {}), introduced(spec, 1))
     uploads = codec.unpack(from_record(reply.content["uploads"]), codec.symmetric_names(AFL.uploads))
@@ -183,8 +183,7 @@ def test_a_node_keeps_its_clients_state_between_messages(as_server, monkeypatch,
     half.setup_clients(torch.tensor([2]), int((data.train_client_ids == 2).sum()))
     pipeline.keep_state(half, method.uploads)
     method.rounds_done.zero_()
-    rows = data.train_client_ids == 2
-    cohort = client_app.ClientData(2, method.problem, data.train_features[rows], data.train_labels[rows], 128).cohort()
+    cohort = client_app.NodeData(data.population().client(2), method.problem, 128).cohort()
     for round_index in range(3):
         client_step(half, method.uploads, round_index, method.broadcast(), cohort, pipeline=pipeline)
         method.rounds_done += 1

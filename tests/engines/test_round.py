@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def plain_fit(method, dm, federation: Federation):
     """Every round by `run_round`, then `run_final`: (the results, the final result)."""
-    method.setup(Problem.of(dm))
+    method.setup(Problem.of(dm.population()))
     available = torch.unique(dm.train_client_ids)
     clients = LocalClients(method, dm.train_features, dm.train_labels, dm.train_client_ids, available,
                            dm.hparams.batch_size, federation)

@@ -28,7 +28,7 @@ def one_round(method, dm, federation: Federation):
 def statistics(dm, clients: list[int], flipped: bool = False) -> dict[str, torch.Tensor]:
     """AFL's uploads of `clients` computed honestly (on flipped labels if `flipped`)."""
     method = AFL(gamma=1.0)
-    method.setup(Problem.of(dm))
+    method.setup(Problem.of(dm.population()))
     mine = torch.isin(dm.train_client_ids, torch.tensor(clients))
     labels = dm.train_labels[mine]
     labels = flip_labels(labels, 4) if flipped else labels

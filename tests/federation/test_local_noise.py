@@ -30,7 +30,7 @@ CLIP, SIGMA = 1.0, 0.3
 def exact(dm, clients: list[int]) -> dict[str, torch.Tensor]:
     """AFL's uploads of `clients` on rows clipped to norm `CLIP`, computed together, noiseless."""
     method = AFL(gamma=1.0)
-    method.setup(Problem.of(dm))
+    method.setup(Problem.of(dm.population()))
     mine = torch.isin(dm.train_client_ids, torch.tensor(clients))
     half = method.client_half()
     half.setup_clients(torch.tensor(clients), int(mine.sum()))

@@ -39,7 +39,7 @@ def test_a_rounds_aggregate_is_m_times_the_center_of_the_clients_own_updates():
     federation = Federation(aggregation="median")
     result = one_round(FedAvg(num_rounds=1, architecture="linear", seed=0), dm, federation)
     method = FedAvg(num_rounds=1, architecture="linear", seed=0)
-    method.setup(Problem.of(dm))
+    method.setup(Problem.of(dm.population()))
     half, clients = method.client_half(), torch.arange(7)
     half.setup_clients(clients, len(dm.train_labels))
     rows_at = torch.arange(len(dm.train_labels))

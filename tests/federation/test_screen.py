@@ -113,7 +113,7 @@ def test_a_rejected_client_stays_out_of_the_rounds_that_send_no_gram(method):
 def test_a_resumed_fit_keeps_its_rejected_clients_out():
     dm = data(6)
     method = AFL(gamma=1.0)
-    method.setup(Problem.of(dm))
+    method.setup(Problem.of(dm.population()))
     available = torch.unique(dm.train_client_ids)
     clients = LocalClients(method, dm.train_features, dm.train_labels, dm.train_client_ids, available, 64, SCREEN)
     protocol = FitProtocol.start(method, SCREEN, len(available), rejected=[1, 4])

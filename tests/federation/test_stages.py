@@ -52,7 +52,7 @@ class Record(Stage):
 
 def run(method, dm, federation: Federation, stages=(), count: int = 1):
     """`count` rounds by `run_round` alone (no engine), with `stages` of one's own."""
-    method.setup(Problem.of(dm))
+    method.setup(Problem.of(dm.population()))
     available = torch.unique(dm.train_client_ids)
     clients = LocalClients(method, dm.train_features, dm.train_labels, dm.train_client_ids, available,
                            dm.hparams.batch_size, federation, stages)
@@ -173,7 +173,7 @@ def test_a_resumed_fit_with_other_stages_is_refused_with_both_named():
 def test_clients_built_under_another_protocol_than_the_fits_are_refused_not_silently_unclipped():
     dm = data(4)
     method = AFL(gamma=1.0)
-    method.setup(Problem.of(dm))
+    method.setup(Problem.of(dm.population()))
     available = torch.unique(dm.train_client_ids)
     clients = LocalClients(method, dm.train_features, dm.train_labels, dm.train_client_ids, available, 64)
     protocol = FitProtocol.start(method, Federation(feature_clip=1.0), len(available), stages=[LocalNoise(0.5)])

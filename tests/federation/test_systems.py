@@ -34,7 +34,7 @@ def rounds(method, dm, systems: Systems | None, federation: Federation | None = 
     """`count` rounds of `method` by `run_round` under `federation` and `systems` (None: no
     clock): (results, clock)."""
     federation = federation or Federation()
-    method.setup(Problem.of(dm))
+    method.setup(Problem.of(dm.population()))
     available = torch.unique(dm.train_client_ids)
     clients = LocalClients(method, dm.train_features, dm.train_labels, dm.train_client_ids, available,
                            dm.hparams.batch_size, federation)

@@ -70,7 +70,7 @@ def test_the_data_module_caches_the_tails_input_under_its_own_key(add_dataset, t
         assert relative_error(dm.tail(dm.train_features), pooled.train_features) < 1e-5
     again = tail_data(tmp_path)  # read back from the cache
     assert torch.equal(again.train_features, dm.train_features)
-    assert Problem.of(dm).tail is dm.tail and Problem.of(pooled).tail is None
+    assert Problem.of(dm.population()).tail is dm.tail and Problem.of(pooled.population()).tail is None
 
 
 def test_fedavg_trains_the_tail_and_sends_its_parameters(add_dataset, tmp_path, fit_method):

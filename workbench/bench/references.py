@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from workbench.data.population import Population
 from workbench.methods.heads import build_model
 
 
@@ -29,9 +30,16 @@ def accuracy(model: nn.Module, features: Tensor, labels: Tensor, batch: int = 81
     return correct / max(len(labels), 1)
 
 
-def logistic_regression(data, l2: float, max_iter: int = 500) -> dict[str, Any]:
+def holdout_of(data: Population) -> tuple[Tensor, Tensor]:
+    """The hold-out rows every choice is made on (the scenario's data always has them)."""
+    if data.holdout is None:
+        raise ValueError("the centralized references are chosen on the hold-outs: give the data a val_fraction")
+    return data.holdout.features.float(), data.holdout.labels
+
+
+def logistic_regression(data: Population, l2: float, max_iter: int = 500) -> dict[str, Any]:
     """The centralized linear classifier at ridge `l2`: its hold-out and test accuracy."""
-    x, y = data.train_features.float(), data.train_labels
+    x, y = data.train.features.float(), data.train.labels
     model = nn.Linear(x.shape[1], data.num_classes)
     nn.init.zeros_(model.weight), nn.init.zeros_(model.bias)  # a convex problem: start anywhere
     optimizer = torch.optim.LBFGS(model.parameters(), lr=1.0, max_iter=max_iter, history_size=20,
@@ -46,16 +54,16 @@ def logistic_regression(data, l2: float, max_iter: int = 500) -> dict[str, Any]:
     start = time.perf_counter()
     optimizer.step(closure)
     fit_s = time.perf_counter() - start
-    return {"holdout_acc": accuracy(model, data.val_features.float(), data.val_labels),
-            "test_acc": accuracy(model, data.test_features.float(), data.test_labels), "rounds": 0,
+    return {"holdout_acc": accuracy(model, *holdout_of(data)),
+            "test_acc": accuracy(model, data.test.features.float(), data.test.labels), "rounds": 0,
             "fit_s": fit_s, "curve": []}
 
 
-def pooled_mlp(data, lr: float, hidden_dim: int, batch_size: int, seed: int, epochs: int, patience: int,
+def pooled_mlp(data: Population, lr: float, hidden_dim: int, batch_size: int, seed: int, epochs: int, patience: int,
                min_delta: float) -> dict[str, Any]:
     """The gradient methods' MLP trained on the pooled rows by SGD at `lr`, epoch by epoch to the
     stopping rule on the pooled hold-outs (at most `epochs`): the last epoch's model is scored."""
-    x, y = data.train_features.float(), data.train_labels
+    x, y = data.train.features.float(), data.train.labels
     model = build_model("mlp", (x.shape[1],), data.num_classes, hidden_dim=hidden_dim, seed=seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     order = torch.Generator().manual_seed(seed)
@@ -67,8 +75,8 @@ def pooled_mlp(data, lr: float, hidden_dim: int, batch_size: int, seed: int, epo
             F.cross_entropy(model(x[index]), y[index]).backward()
             optimizer.step()
         fit_s += time.perf_counter() - start
-        holdout = accuracy(model, data.val_features.float(), data.val_labels)
-        curve.append({"round": epoch, "test_acc": accuracy(model, data.test_features.float(), data.test_labels),
+        holdout = accuracy(model, *holdout_of(data))
+        curve.append({"round": epoch, "test_acc": accuracy(model, data.test.features.float(), data.test.labels),
                       "holdout_acc": holdout})
         if holdout - min_delta > best:
             best, best_epoch = holdout, epoch

@@ -129,12 +129,14 @@ def fit_method(scenario: Scenario, run: Run, data, folder: Path, systems=None) -
 
 def fit_reference(scenario: Scenario, run: Run, data) -> dict[str, Any]:
     from workbench.bench import references
+    from workbench.data.population import population_of
 
     budget, settings = scenario.budget, scenario.references
+    population = population_of(data)
     if run.method.init_args["kind"] == "logistic":
-        result = references.logistic_regression(data, l2=run.point["l2"])
+        result = references.logistic_regression(population, l2=run.point["l2"])
     else:
-        result = references.pooled_mlp(data, lr=run.point["lr"], hidden_dim=settings.hidden_dim,
+        result = references.pooled_mlp(population, lr=run.point["lr"], hidden_dim=settings.hidden_dim,
                                        batch_size=settings.batch_size, seed=run.seed, epochs=budget.rounds,
                                        patience=budget.patience, min_delta=budget.min_delta)
     curve = result.pop("curve")

@@ -1,4 +1,5 @@
-"""Data: raw datasets, backbone feature cache, partitions, and the federated data module.
+"""Data: raw datasets, backbone feature cache, partitions, the federated data module, and the
+boundary everything else reads the data through (`Population`, `ClientData`: `population`).
 
 Importing the package imports the loader modules (`datasets` and `paper_datasets` for images,
 `text` for texts), so every dataset is in the registry (`workbench.data.registry`) whenever
@@ -6,5 +7,6 @@ anything here is used.
 """
 from workbench.data import datasets, paper_datasets, text  # noqa: F401  (register the datasets)
 from workbench.data.datamodule import FederatedDataModule, SyntheticBlobs
+from workbench.data.population import ClientData, Population, Rows
 
-__all__ = ["FederatedDataModule", "SyntheticBlobs"]
+__all__ = ["ClientData", "FederatedDataModule", "Population", "Rows", "SyntheticBlobs"]

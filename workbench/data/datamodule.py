@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 from workbench.data.hf import OwnData, own_modality
 from workbench.data.partition import partition as assign_clients
 from workbench.data.partition import stratified_holdout
+from workbench.data.population import Population, Rows
 from workbench.settings import init_arguments, plain
 
 # Settings that say where the data lives and how fast it is read, not what its rows are
@@ -391,6 +392,18 @@ class FederatedDataModule(LightningDataModule):
                 "backbone": "none" if no_backbone else args.backbone,
                 "partition": f"{args.partition}({params})" if params else args.partition,
                 "num_clients": str(args.num_clients)}
+
+    def population(self) -> Population:
+        """This data across the boundary (`workbench.data.population`): the splits' own tensors,
+        K, the classes, the tail, the settings that decide the rows and their short labels."""
+        self._require_setup()
+        holdout = (Rows(self.val_features, self.val_labels, getattr(self, "val_client_ids", None))
+                   if self.has_validation else None)
+        local_test = (Rows(self.local_test_features, self.local_test_labels, self.local_test_client_ids)
+                      if self.args.personalized else None)
+        return Population(Rows(self.train_features, self.train_labels, self.train_client_ids),
+                          Rows(self.test_features, self.test_labels), self.num_clients, self.num_classes,
+                          self.args.batch_size, holdout, local_test, self._tail, self.identity(), self.describe())
 
     # ---- loading ----------------------------------------------------------------------------
     def _require_setup(self) -> None:

@@ -46,12 +46,13 @@ from pathlib import Path
 from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
-from lightning import LightningModule
+from lightning import LightningDataModule, LightningModule
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import Tensor
 from torchmetrics.classification import MulticlassAccuracy
 
+from workbench.data.population import Population, population_of
 from workbench.engines import ddp
 from workbench.engines.local import LocalClients
 from workbench.engines.round import FitProtocol, Rejoins, RoundResult, Transport, run_final, run_round
@@ -88,6 +89,10 @@ class ScoresLocally(Protocol):
     def local_accuracy(self) -> tuple[Tensor, Tensor]:
         """(correct (K,), total (K,)) int64 of every client's own model on its local test split."""
         ...
+
+
+#: the engine's names of the splits it scores (Lightning's `val`) -> the population's
+SPLITS = {"test": "test", "val": "holdout", "local_test": "local_test"}
 
 
 class LightningEngine(LightningModule):
@@ -156,11 +161,26 @@ class LightningEngine(LightningModule):
         # [round, client, event, why] rows
         self.client_events: list[list] = []
         self._restored_events: list[list] | None = None
+        self._population: tuple[Any, Population] | None = None  # (its data module, the population it assembled)
 
     @property
-    def data(self) -> Any:
-        """The run's FederatedDataModule (Lightning sets `trainer.datamodule` at run time)."""
-        return getattr(self.trainer, "datamodule", None)
+    def data(self) -> Population | None:
+        """The run's data (`Population`) from its FederatedDataModule (Lightning sets
+        `trainer.datamodule` at run time; assembled once per data module); None before."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is None:
+            return None
+        if self._population is None or self._population[0] is not datamodule:
+            self._population = (datamodule, population_of(datamodule))
+        return self._population[1]
+
+    @property
+    def population(self) -> Population:
+        """The run's data, once Lightning has given the engine its data module."""
+        data = self.data
+        if data is None:
+            raise RuntimeError("the engine reads its data from the Trainer's data module: call trainer.fit/test first")
+        return data
 
     @property
     def transport(self) -> Transport:
@@ -178,7 +198,7 @@ class LightningEngine(LightningModule):
             self._check_processes()
             check_epoch_limit(self.trainer.fit_loop.max_epochs, self.method.num_rounds)
             self.trainer.fit_loop.max_epochs = max(self.method.num_rounds, 1)  # the engine stops there anyway
-            if not getattr(data, "has_validation", True):  # no validation split: no validation loop to set up
+            if data.holdout is None:  # no validation split: no validation loop to set up
                 self.trainer.limit_val_batches = 0
         problem = self.problem_of(data)
         if self.method.setup(problem) or self.clients is None:
@@ -194,38 +214,39 @@ class LightningEngine(LightningModule):
                     f"client_half.{name}" for name, _ in self.client_half.named_buffers()]
 
     @staticmethod
-    def problem_of(data) -> Problem:
-        """The shape of the data module's federated problem."""
+    def problem_of(data: Population) -> Problem:
+        """The shape of the data's federated problem."""
         return Problem.of(data)
 
-    def check_data(self, data, fitting: bool) -> None:
+    def check_data(self, data: Population | LightningDataModule, fitting: bool) -> None:
         """Before any run folder exists (the command line calls it once the data is set up): the
         method set up for the data (a model it cannot build for this shape fails here), and for a
         fit the protocol and the stopping rule checked against it."""
+        data = population_of(data)
         self.method.setup(self.problem_of(data))
         if fitting:
-            FitProtocol.check(self.method, self.federation, len(torch.unique(data.train_client_ids)),
+            FitProtocol.check(self.method, self.federation, len(data.clients),
                               self.systems if self.systems.active else None, in_process=self.remote_clients is None,
                               remote=self.remote_clients is not None, stages=self.stages)
             self._protocol_checked = True
             self._check_stopping(data)
             self.method.check_data(data)
 
-    def _check_stopping(self, data) -> None:
-        if self.stopping.active and getattr(data, "val_features", None) is None:
+    def _check_stopping(self, data: Population) -> None:
+        if self.stopping.active and data.holdout is None:
             raise ValueError(f"stopping.patience={self.stopping.patience} watches validation accuracy, and there "
                              "is no validation split: set data.val_fraction (e.g. 0.1) with data.val_split=clients")
 
-    def _local_clients(self, data) -> Transport:
+    def _local_clients(self, data: Population) -> Transport:
         """This process's clients: all of them, or with several processes its whole clients'
         share, combined across the processes each round (`ddp.ProcessClients`)."""
         rows = slice(None)
         if self.trainer.world_size > 1:
-            rows = ddp.client_shard(data.train_client_ids, self.trainer.global_rank, self.trainer.world_size)
-        client_ids = data.train_client_ids[rows]
-        local = LocalClients(self.method, data.train_features[rows].to(self.device),
-                             data.train_labels[rows].to(self.device), client_ids.to(self.device),
-                             torch.unique(client_ids).to(self.device), data.hparams.batch_size, self.federation,
+            rows = ddp.client_shard(data.client_ids, self.trainer.global_rank, self.trainer.world_size)
+        client_ids = data.client_ids[rows]
+        local = LocalClients(self.method, data.train.features[rows].to(self.device),
+                             data.train.labels[rows].to(self.device), client_ids.to(self.device),
+                             torch.unique(client_ids).to(self.device), data.batch_size, self.federation,
                              self.stages)
         return ddp.ProcessClients(local, self.trainer.strategy) if self.trainer.world_size > 1 else local
 
@@ -247,7 +268,7 @@ class LightningEngine(LightningModule):
                 f"this checkpoint is of a finished fit ({self.method.round} rounds and the final broadcast): it "
                 "cannot run longer; fit afresh with the rounds you want (drop --ckpt_path), or resume the "
                 "last.ckpt of an unfinished fit")
-        self.available = torch.unique(self.data.train_client_ids).to(self.device)  # clients with data
+        self.available = self.population.clients.to(self.device)  # clients with data
         if self.method.round > 0 and isinstance(self.clients, Rejoins):
             # a resumed fit over new nodes (a new Flower run): every client's state starts afresh there
             self.method.forget_clients(self.available)
@@ -261,7 +282,7 @@ class LightningEngine(LightningModule):
         self.client_events, self._restored_events = list(self._restored_events or []), None
         clock = None
         if self.systems.active:  # a resumed fit keeps the clock's measurements
-            rows = torch.bincount(self.data.train_client_ids.cpu(), minlength=self.method.num_clients)
+            rows = self.population.rows_per_client()
             clock = SimulatedClock(self.systems, rows, row_s=self._totals.pop("latency_row_s", None),
                                    upload_bytes=self._totals.pop("latency_upload_bytes", None))
             self._totals.setdefault("latency_s", 0.0)
@@ -277,7 +298,7 @@ class LightningEngine(LightningModule):
                                               stages=self.stages)
         self.curve = []
         self._stop = False
-        self._check_stopping(self.data)
+        self._check_stopping(self.population)
 
     def training_step(self, batch, batch_idx: int) -> None:
         """One round per epoch: the clients' data comes from the data module's training rows, not
@@ -411,18 +432,17 @@ class LightningEngine(LightningModule):
         the clients' local test splits, and the bytes up and down per client sent by then, logged
         with the round's metrics as `round/*` (`round/round` the round: a method without rounds
         scores round 0)."""
-        method, data = self.method, self.data
+        method, data = self.method, self.population
         point = {"round": float(method.round)}
         if self.curve and self.curve[-1]["round"] == method.round:  # the final broadcast's, after the last round's
             point = self.curve.pop()
         # (the validation split's chunks are cached apart from Lightning's validation batches)
         for split, key, cache, wanted in (("test", "round/test_acc", "test", test),
                                           ("val", "round/val_acc", "curve_val", True)):
-            features = getattr(data, f"{split}_features", None)
-            if wanted and key not in point and method.global_model and method.has_model and features is not None:
-                labels = getattr(data, f"{split}_labels").to(self.device)
-                point[key] = method.accuracy(self._curve_inputs(features), labels, name=cache)
-        if test and personal and getattr(data, "local_test_client_ids", None) is not None:
+            rows = data.split(SPLITS[split])
+            if wanted and key not in point and method.global_model and method.has_model and rows is not None:
+                point[key] = method.accuracy(self._curve_inputs(rows.features), rows.labels.to(self.device), name=cache)
+        if test and personal and data.local_test is not None:
             local_mean = self.personal_accuracy()
             if math.isfinite(local_mean):
                 point["round/test_acc_local_mean"] = local_mean
@@ -459,12 +479,15 @@ class LightningEngine(LightningModule):
             return correct.to(self.device), total.to(self.device)
         if split != "local_test" and self._scored_remotely():
             raise ValueError(f"the clients score only their local test split where they live, not {split!r}")
-        data = self.data
+        data = self.population
         correct = torch.zeros(self.method.num_clients, dtype=torch.long, device=self.device)
         total = torch.zeros_like(correct)
-        rows = data.hparams.batch_size
-        parts = zip(getattr(data, f"{split}_features").split(rows), getattr(data, f"{split}_labels").split(rows),
-                    getattr(data, f"{split}_client_ids").split(rows), strict=True)
+        scored = data.split(SPLITS[split])
+        if scored is None or scored.client_ids is None:
+            raise ValueError(f"the data has no {split!r} rows of the clients' own")
+        rows = data.batch_size
+        parts = zip(scored.features.split(rows), scored.labels.split(rows), scored.client_ids.split(rows),
+                    strict=True)
         for features, labels, client_ids in parts:
             self._add_local_scores(correct, total, self._curve_inputs(features), labels.to(self.device),
                                    client_ids.to(self.device))
@@ -488,9 +511,9 @@ class LightningEngine(LightningModule):
     @torch.no_grad()
     def _log_steps(self) -> None:
         """The method's metrics against its own steps (`step_metrics`)."""
-        features = getattr(self.data, "test_features", None)
-        labels = self.data.test_labels.to(self.device) if features is not None else None
-        features = self._inputs(features.to(self.device)) if features is not None else None  # as the test pass's
+        test = self.population.test
+        labels = test.labels.to(self.device)
+        features = self._inputs(test.features.to(self.device))  # as the test pass's
         for step, metrics in self.method.step_metrics(features, labels, self.fit_metrics):
             for logger in self.loggers:
                 logger.log_metrics(metrics, step=step)
@@ -574,7 +597,8 @@ class LightningEngine(LightningModule):
         settings, the problem's shape, the data's settings, the protocol (plain values) and who ran
         the clients (`engine`: `lightning` in this process, `flower` over nodes; default: this
         engine's transport). `data`: default, the Trainer's data module."""
-        method, problem, data = self.method, self.method.problem, self.data if data is None else data
+        method, problem = self.method, self.method.problem
+        data = self.data if data is None else population_of(data)
         return {
             "engine": engine or ("flower" if self.remote_clients is not None else "lightning"),
             "method": f"{type(method).__module__}.{type(method).__qualname__}",
@@ -582,7 +606,7 @@ class LightningEngine(LightningModule):
             "problem": None if problem is None else {"input_shape": list(problem.input_shape),
                                                      "num_classes": problem.num_classes,
                                                      "num_clients": problem.num_clients},
-            "data": data.identity() if hasattr(data, "identity") else None,  # None: not a FederatedDataModule
+            "data": None if data is None else dict(data.identity),
             "federation": plain(self.federation),
             "stages": self.pipeline.identity(),
         }

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -48,13 +49,16 @@ from workbench.methods.ridge_selection import (
     holdout_correct,
 )
 
+if TYPE_CHECKING:
+    from workbench.data.population import Population
 
-def check_regularizer_in_ring(method, data) -> None:
+
+def check_regularizer_in_ring(method, data: Population) -> None:
     """Under secure aggregation every client's Gram carries its γ on the diagonal: a γ whose sum over
     the K clients would wrap around the ring is refused before the fit, not in round 0."""
     federation = method.federation
     if federation.secure_aggregation and method.gamma > 0:
-        check_in_ring(method.gamma, federation.fixed_point_bits, int(torch.unique(data.train_client_ids).numel()))
+        check_in_ring(method.gamma, federation.fixed_point_bits, len(data.clients))
 
 
 class AFLClient(ClientHalf):
@@ -176,7 +180,7 @@ class AFL(FederatedMethod):
             raise RuntimeError(f"{type(self).__name__} builds its clients once set up for a problem (`setup`)")
         return AFLClient(self.problem, self)
 
-    def check_data(self, data) -> None:
+    def check_data(self, data: Population) -> None:
         check_holdout_rows(self, data)
         check_regularizer_in_ring(self, data)
 

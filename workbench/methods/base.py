@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import torch
 from lightning.pytorch.core.mixins import HyperparametersMixin
@@ -44,6 +45,9 @@ from torch import Tensor, nn
 
 from workbench.federation.codec import GRAM, MODEL_UPDATE, STACKED, SUMMED, SYMMETRIC, Upload
 from workbench.federation.protocol import Federation, ProtocolView
+
+if TYPE_CHECKING:
+    from workbench.data.population import Population
 
 __all__ = ["GRAM", "MODEL_UPDATE", "STACKED", "SUMMED", "SYMMETRIC", "ClientHalf", "Cohort", "FederatedMethod",
            "Problem", "RoundPlan", "Upload"]
@@ -68,10 +72,9 @@ class Problem:
     tail: nn.Module | None = None
 
     @classmethod
-    def of(cls, data) -> Problem:
-        """The problem of a set-up data module: its input shape, classes, clients and tail."""
-        return cls(tuple(getattr(data, "input_shape", (data.feature_dim,))), data.num_classes, data.num_clients,
-                   getattr(data, "tail", None))
+    def of(cls, data: Population) -> Problem:
+        """The problem of a population: its input shape, classes, clients and tail."""
+        return cls(data.input_shape, data.num_classes, data.num_clients, data.tail)
 
     @property
     def feature_dim(self) -> int:
@@ -296,9 +299,9 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
         """Refuse, in one error naming the fix, a protocol this method cannot run (checked before
         the run folder exists); the engine checks what holds for every method."""
 
-    def check_data(self, data) -> None:
-        """Refuse, in one error naming the fix, training data this method cannot fit (the data
-        module, set up; checked before the run folder exists)."""
+    def check_data(self, data: Population) -> None:
+        """Refuse, in one error naming the fix, training data this method cannot fit (checked
+        before the run folder exists)."""
 
     def statistics_sensitivity(self, feature_norm: float) -> float | None:
         """The L2 sensitivity of one round's summed statistics to one sample whose feature row has

@@ -13,6 +13,7 @@ never on the test split.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -21,6 +22,9 @@ from torch import Tensor
 from workbench.data.partition import holdout_sizes, stratified_holdout
 from workbench.linalg import counts_of
 from workbench.methods.base import SUMMED, SYMMETRIC
+
+if TYPE_CHECKING:
+    from workbench.data.population import Population
 
 HOLDOUT_STREAM = 2  # the seed stream of the clients' hold-outs (AnaPFL: 0 is P_g, 1 is P_l)
 #: the uploads of a method choosing γ: the hold-out's statistics (solve round), its scores (next round)
@@ -70,11 +74,11 @@ NO_HOLDOUT = ("no client holds out a row for choosing γ (each holds round(holdo
               "every class): raise holdout_fraction or set a single gamma_out")
 
 
-def check_holdout_rows(method, data) -> None:
+def check_holdout_rows(method, data: Population) -> None:
     """Before a fit of a method that chooses γ_out on hold-out rows (`gamma_grid` of more than one):
     ValueError (`NO_HOLDOUT`) when `client_holdout` would hold out no row at all (`holdout_sizes`)."""
     if len(getattr(method, "gamma_grid", ())) > 1 and \
-            not holdout_sizes(data.train_labels, method.holdout_fraction, data.train_client_ids).sum() > 0:
+            not holdout_sizes(data.train.labels, method.holdout_fraction, data.client_ids).sum() > 0:
         raise ValueError(NO_HOLDOUT)
 
 

@@ -120,6 +120,8 @@ EMBEDDING_SETTINGS = ("bucketing", "levels", "threshold_mode", "experts", "group
 
 
 if TYPE_CHECKING:  # a mixin of modules: typed as one, a plain class at run time
+    from workbench.data.population import Population
+
     _ModuleMixin = nn.Module
 else:
     _ModuleMixin = object
@@ -483,7 +485,7 @@ class SAFLe(SparseEmbedding, FederatedMethod):
         self._pending: dict | None = None  # between the solve and the select round
         self.holdout_accuracy: Tensor | None = None
 
-    def check_data(self, data) -> None:
+    def check_data(self, data: Population) -> None:
         check_holdout_rows(self, data)
         check_regularizer_in_ring(self, data)
 

@@ -38,13 +38,12 @@ import uuid
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
-from torch import Tensor
 
+from workbench.data.population import ClientData, Population, population_of
 from workbench.engines.flower.spec import (
     RunSpec,
     flag,
@@ -91,59 +90,47 @@ quiet_flower()
 app = ClientApp()
 
 
-@dataclasses.dataclass
-class ClientData:
-    """Client k's rows. features (n_k, *input_shape), labels (n_k,); local_test_* (t_k, ...) or
-    None without the personalized protocol."""
+@dataclasses.dataclass(frozen=True)
+class NodeData:
+    """What a node serves: its client's share of the data (`ClientData`), the problem the method is
+    set up for, and the rows a chunked computation or an evaluation batch takes."""
 
-    client: int
+    share: ClientData
     problem: Problem
-    features: Tensor
-    labels: Tensor
     batch_size: int
-    local_test_features: Tensor | None = None
-    local_test_labels: Tensor | None = None
+
+    @property
+    def client(self) -> int:
+        return self.share.client
 
     def cohort(self) -> Cohort:
-        n, k = len(self.labels), self.client
-        return Cohort(self.features, self.labels, torch.full((n,), k, dtype=torch.long),
-                      torch.tensor([k]), torch.arange(n), self.batch_size)
+        """Its training rows as the client half reads them."""
+        rows, k = self.share.train, self.client
+        return Cohort(rows.features, rows.labels, torch.full((len(rows),), k, dtype=torch.long),
+                      torch.tensor([k]), torch.arange(len(rows)), self.batch_size)
 
 
-_datamodules: dict[tuple[str, str], Any] = {}  # (data class, args) -> set-up data module, one per process
+_populations: dict[tuple[str, str], Population] = {}  # (data class, args) -> its population, one per process
 
 
-def _rows(ids: Tensor, client: int) -> slice:
-    """Client `client`'s rows of `ids` (ordered by client): one slice."""
-    lo, hi = torch.searchsorted(ids, torch.tensor([client, client + 1])).tolist()
-    return slice(lo, hi)
-
-
-def client_data(spec: RunSpec, client: int, num_partitions: int) -> ClientData:
-    """Client `client`'s rows of the spec's data (the data module is set up once per process)."""
+def client_data(spec: RunSpec, client: int, num_partitions: int) -> NodeData:
+    """Client `client`'s share of the spec's data (the data is set up once per process)."""
     key = (spec.data, spec.data_args)
-    if key not in _datamodules:
-        _datamodules.clear()
+    if key not in _populations:
+        _populations.clear()
         datamodule = spec.build_data()
         datamodule.setup("fit")
-        _datamodules[key] = datamodule
-    data = _datamodules[key]
+        _populations[key] = population_of(datamodule)
+    data = _populations[key]
     if num_partitions != data.num_clients:
         raise ValueError(f"the federation has num-partitions = {num_partitions} in its node config but the "
                          f"run's data has num_clients = {data.num_clients}: start one SuperNode per client")
     if not 0 <= client < num_partitions:
         raise ValueError(f"partition-id {client} is outside [0, {num_partitions})")
-    problem = Problem.of(data)  # the data's tail too (data.trainable_tail)
-    rows = _rows(data.train_client_ids, client)
-    share = ClientData(client, problem, data.train_features[rows], data.train_labels[rows], data.hparams.batch_size)
-    if getattr(data, "local_test_client_ids", None) is not None:
-        rows = _rows(data.local_test_client_ids, client)
-        share.local_test_features, share.local_test_labels = (data.local_test_features[rows],
-                                                              data.local_test_labels[rows])
-    return share
+    return NodeData(data.client(client), Problem.of(data), data.batch_size)  # (the data's tail too)
 
 
-def _node_data(spec: RunSpec, context: Context) -> ClientData:
+def _node_data(spec: RunSpec, context: Context) -> NodeData:
     return client_data(spec, int(context.node_config["partition-id"]), int(context.node_config["num-partitions"]))
 
 
@@ -155,7 +142,7 @@ class Node:
     digest: str
     method: FederatedMethod
     half: ClientHalf
-    data: ClientData
+    data: NodeData
     protocol: Federation  # what the node runs of the protocol from the start (`RunSpec.protocol`)
     holds: str | None = None  # the token of the node's saved state the half holds; None: fresh
     built: bool = True  # this message built the method and the half
@@ -194,10 +181,10 @@ class Node:
         context.state.config_records[NODE_KEY]["state"] = self.holds
 
 
-def client_half(method: FederatedMethod, data: ClientData, protocol: Federation) -> ClientHalf:
+def client_half(method: FederatedMethod, data: NodeData, protocol: Federation) -> ClientHalf:
     """A fresh half serving the node's client, with the state its protocol keeps per client."""
     half = method.client_half()
-    half.setup_clients(torch.tensor([data.client]), len(data.labels))
+    half.setup_clients(torch.tensor([data.client]), len(data.share.train))
     Pipeline.for_node(None, protocol).keep_state(half, method.uploads)
     return half
 
@@ -289,8 +276,8 @@ def introduce(message: Message, context: Context) -> tuple[RecordDict, int]:
         context.state.array_records.pop(STATE_KEY, None)
         context.state[NODE_KEY] = ConfigRecord({**dataclasses.asdict(spec), "digest": spec.digest,
                                                 "session": session})
-    tests = 0 if data.local_test_labels is None else len(data.local_test_labels)
-    return RecordDict({"report": _report(num_samples=len(data.labels), num_local_test=tests)}), data.client
+    tests = 0 if data.share.local_test is None else len(data.share.local_test)
+    return RecordDict({"report": _report(num_samples=len(data.share.train), num_local_test=tests)}), data.client
 
 
 @app.train()
@@ -347,9 +334,10 @@ def finish(message: Message, context: Context) -> tuple[RecordDict, int]:
 def evaluate(message: Message, context: Context) -> tuple[RecordDict, int]:
     """This client's own model (`half.predict`) on its own local test split: correct / total."""
     here = node(message, context)
-    features, labels = here.data.local_test_features, here.data.local_test_labels
+    local_test = here.data.share.local_test
     correct = total = 0
-    if features is not None and labels is not None and len(labels):
+    if local_test is not None and len(local_test):
+        features, labels = local_test.features, local_test.labels
         size = here.data.batch_size
         with torch.no_grad():
             for lo in range(0, len(labels), size):

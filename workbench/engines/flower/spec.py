@@ -89,11 +89,12 @@ class RunSpec:
         return construct(Federation, json.loads(self.protocol))
 
     def build_data(self) -> LightningDataModule:
-        data_class = getattr(data_classes, self.data, None)
-        if self.data not in data_classes.__all__ or not (
-                isinstance(data_class, type) and issubclass(data_class, LightningDataModule)):
-            raise ValueError(f"unknown data module {self.data!r}; this install has {data_classes.__all__}")
-        return construct(data_class, json.loads(self.data_args))
+        exported = {name: getattr(data_classes, name) for name in data_classes.__all__}
+        modules = {name: value for name, value in exported.items()
+                   if isinstance(value, type) and issubclass(value, LightningDataModule)}
+        if self.data not in modules:
+            raise ValueError(f"unknown data module {self.data!r}; this install has {sorted(modules)}")
+        return construct(modules[self.data], json.loads(self.data_args))
 
 
 # ---- values and tensors in records ---------------------------------------------------------------

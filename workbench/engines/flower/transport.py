@@ -23,6 +23,7 @@ from flwr.serverapp import Grid
 from lightning import Callback
 from torch import Tensor
 
+from workbench.data.population import population_of
 from workbench.engines.flower.spec import RunSpec, from_record, number, numbers, text, to_record
 from workbench.engines.flower_settings import FlowerSettings
 from workbench.engines.round import Replies, RoundRequest, add_metrics
@@ -112,13 +113,15 @@ class FlowerClients:
         datamodule.setup("fit")
         self.grid: Grid | None = grid
         self.method, self.datamodule = method, datamodule
+        population = population_of(datamodule)
         self.settings = settings or FlowerSettings()
         self.protocol = pipeline.node_settings()  # what the nodes run of the fit's protocol from the start
         self.spec = RunSpec.of(method, datamodule, self.protocol)
         self.digest = self.spec.digest
         self.session = uuid.uuid4().hex  # the nodes' kept state belongs to this fit
         self.traffic = FlowerTraffic()
-        self.samples = torch.bincount(datamodule.train_client_ids, minlength=datamodule.num_clients)
+        self.samples = population.rows_per_client()
+        self.local_tests = population.local_test is not None  # the clients score their own local tests
         self.nodes: dict[int, int] = {}  # client -> the SuperNode serving it
         self.away: dict[int, str] = {}  # client -> why it has no reachable node
         self.spares: dict[int, int] = {}  # an introduced node serving no one yet -> the client it holds
@@ -126,7 +129,7 @@ class FlowerClients:
         self._introducing: dict[str, int] = {}  # newcomers' introductions not answered yet: message id -> node
         self._late: dict[str, int] = {}  # messages past their deadline whose reply may still come: id -> node
         self._rejoined: dict[int, bool] = {}  # client served again -> whether its state starts afresh
-        nodes = wait_for_nodes(grid, datamodule.num_clients, self.settings.connect_s)
+        nodes = wait_for_nodes(grid, population.num_clients, self.settings.connect_s)
         holders, missing = self._introductions(nodes)
         if missing:
             raise RuntimeError(f"SuperNodes {sorted(missing)} did not answer the fit's first message: "
@@ -381,7 +384,7 @@ class FlowerClients:
         client that does not answer, named on stderr)."""
         correct = torch.zeros(self.method.num_clients, dtype=torch.long)
         total = torch.zeros_like(correct)
-        if getattr(self.datamodule, "local_test_client_ids", None) is None:
+        if not self.local_tests:
             return correct, total
         contents = {client: RecordDict({"round": self._settings()}) for client in sorted(self.nodes)}
         replies, missing = self._exchange(contents, "evaluate", "local_test")
