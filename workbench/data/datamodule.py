@@ -127,6 +127,20 @@ class SyntheticBlobs:
         return (*draw(self.train_size), *draw(self.test_size))
 
 
+@dataclass(frozen=True)
+class RowPlan:
+    """Positions in the training split's rows of each split's rows (`FederatedDataModule._plan`):
+    train (n,) ordered by client with its train_client_ids; holdout (h,) (with client ids when each
+    client holds its own, else None) or None; local_test (t,) with its client ids, or None."""
+
+    train: Tensor
+    train_client_ids: Tensor
+    holdout: Tensor | None = None
+    holdout_client_ids: Tensor | None = None
+    local_test: Tensor | None = None
+    local_test_client_ids: Tensor | None = None
+
+
 class FeatureBatches(Dataset):
     """Contiguous slices of in-memory tensors; one item is one whole batch (no per-sample collate)."""
 
@@ -393,9 +407,18 @@ class FederatedDataModule(LightningDataModule):
                 "partition": f"{args.partition}({params})" if params else args.partition,
                 "num_clients": str(args.num_clients)}
 
-    def population(self) -> Population:
+    def population(self, client: int | None = None) -> Population:
         """This data across the boundary (`workbench.data.population`): the splits' own tensors,
-        K, the classes, the tail, the settings that decide the rows and their short labels."""
+        K, the classes, the tail, the settings that decide the rows and their short labels.
+
+        With `client` (a Flower node's partition), that client's rows alone (`Population.only`):
+        before `setup`, backbone features are read (memory-mapped, from the cache) or extracted
+        for its rows only — the same rows as the whole data's, chosen from the labels alone. Data
+        that is its own inputs (synthetic blobs, raw images, a file of your own features) is
+        loaded whole, and `standardize` needs every client's sums: those set up the whole data.
+        """
+        if client is not None:
+            return self._client_population(client)
         self._require_setup()
         holdout = (Rows(self.val_features, self.val_labels, getattr(self, "val_client_ids", None))
                    if self.has_validation else None)
@@ -404,6 +427,40 @@ class FederatedDataModule(LightningDataModule):
         return Population(Rows(self.train_features, self.train_labels, self.train_client_ids),
                           Rows(self.test_features, self.test_labels), self.num_clients, self.num_classes,
                           self.args.batch_size, holdout, local_test, self._tail, self.identity(), self.describe())
+
+    def _client_population(self, client: int) -> Population:
+        args = self.args
+        if not 0 <= client < args.num_clients:
+            raise ValueError(f"client {client} is outside the federation's [0, {args.num_clients})")
+        own_features = args.dataset == "hf" and own_modality(self.hf) == "features"
+        if (self._ready or args.standardize or args.dataset == "synthetic" or args.inputs == "images"
+                or own_features):
+            self.setup()
+            return self.population().only(client)
+        raw = self._raw_data()
+        plan = self._plan(raw.train.labels)
+        parts = [plan.train[plan.train_client_ids == client]]
+        if plan.holdout is not None and plan.holdout_client_ids is not None:
+            parts.append(plan.holdout[plan.holdout_client_ids == client])
+        if plan.local_test is not None and plan.local_test_client_ids is not None:
+            parts.append(plan.local_test[plan.local_test_client_ids == client])
+        x_rows, y_train, x_test, y_test = self._backbone_features(torch.cat(parts), raw)
+        from workbench.data.features import all_finite
+
+        if not all_finite(x_rows):
+            raise ValueError(f"data '{args.dataset}': client {client}'s rows hold NaN/inf features (extracted by "
+                             f"{args.backbone} from its raw inputs), so no model is fitted on them: repair or drop "
+                             "those inputs")
+        features = iter(x_rows.split([len(part) for part in parts]))
+
+        def rows(positions: Tensor) -> Rows:
+            return Rows(next(features), y_train[positions], torch.full_like(positions, client))
+
+        train = rows(parts[0])
+        holdout = rows(parts[1]) if plan.holdout_client_ids is not None else None
+        local_test = rows(parts[-1]) if plan.local_test is not None else None
+        return Population(train, Rows(x_test, y_test[:0]), args.num_clients, self._num_classes, args.batch_size,
+                          holdout, local_test, self._tail, self.identity(), self.describe())
 
     # ---- loading ----------------------------------------------------------------------------
     def _require_setup(self) -> None:
@@ -433,38 +490,50 @@ class FederatedDataModule(LightningDataModule):
             x_train, y_train, x_test, y_test = self._images()
         else:
             x_train, y_train, x_test, y_test = self._backbone_features()
-        natural_ids = self._natural_ids
-        pooled = self.args.val_fraction > 0 and self.args.val_split == "pool"
-        if pooled:
-            val_mask = stratified_holdout(y_train, self.args.val_fraction, self.args.seed)
-            self.val_features, self.val_labels = x_train[val_mask], y_train[val_mask]
-            x_train, y_train = x_train[~val_mask], y_train[~val_mask]
-            natural_ids = None if natural_ids is None else natural_ids[~val_mask]
-        client_ids = self._partition(y_train, natural_ids)
-        on_a_client = client_ids >= 0  # shard and pathological partitions may leave samples out
-        x_train, y_train, client_ids = x_train[on_a_client], y_train[on_a_client], client_ids[on_a_client]
-        if self.args.val_fraction > 0 and not pooled:  # each client's own hold-out, before any local test split
-            val_mask = stratified_holdout(y_train, self.args.val_fraction, self.args.seed + 1, groups=client_ids)
-            order = torch.argsort(client_ids[val_mask], stable=True)
-            self.val_features, self.val_labels = x_train[val_mask][order], y_train[val_mask][order]
-            self.val_client_ids = client_ids[val_mask][order]
-            x_train, y_train, client_ids = x_train[~val_mask], y_train[~val_mask], client_ids[~val_mask]
-        if self.args.personalized:
-            local_test = stratified_holdout(y_train, self.args.local_test_fraction, self.args.seed,
-                                            groups=client_ids)
-            order = torch.argsort(client_ids[local_test], stable=True)
-            self.local_test_features = x_train[local_test][order]
-            self.local_test_labels = y_train[local_test][order]
-            self.local_test_client_ids = client_ids[local_test][order]
-            x_train, y_train, client_ids = x_train[~local_test], y_train[~local_test], client_ids[~local_test]
-        order = torch.argsort(client_ids, stable=True)
+        plan = self._plan(y_train)
         self.train_features, self.train_labels, self.train_client_ids = (
-            x_train[order], y_train[order], client_ids[order])
+            x_train[plan.train], y_train[plan.train], plan.train_client_ids)
+        if plan.holdout is not None:
+            self.val_features, self.val_labels = x_train[plan.holdout], y_train[plan.holdout]
+            if plan.holdout_client_ids is not None:
+                self.val_client_ids = plan.holdout_client_ids
+        if plan.local_test is not None and plan.local_test_client_ids is not None:
+            self.local_test_features, self.local_test_labels = x_train[plan.local_test], y_train[plan.local_test]
+            self.local_test_client_ids = plan.local_test_client_ids
         self.test_features, self.test_labels = x_test, y_test
         if self.args.standardize:
             self._standardize()
         self._check_finite()
         self._ready = True
+
+    def _plan(self, labels: Tensor) -> RowPlan:
+        """Which of the training split's rows each split takes, from the labels (and the data's own
+        client ids) alone: the pooled hold-out (stratified by class, before partitioning), the
+        partition, each client's own hold-out and local test rows (stratified within the client),
+        and the training rows ordered by client."""
+        args, natural = self.args, self._natural_ids
+        rows = torch.arange(len(labels))
+        holdout = holdout_ids = local_test = local_test_ids = None
+        pooled = args.val_fraction > 0 and args.val_split == "pool"
+        if pooled:
+            held = stratified_holdout(labels, args.val_fraction, args.seed)
+            holdout, rows = rows[held], rows[~held]
+            natural = None if natural is None else natural[~held]
+        client_ids = self._partition(labels[rows], natural)
+        on_a_client = client_ids >= 0  # shard and pathological partitions may leave samples out
+        rows, client_ids = rows[on_a_client], client_ids[on_a_client]
+        if args.val_fraction > 0 and not pooled:  # each client's own hold-out, before any local test split
+            held = stratified_holdout(labels[rows], args.val_fraction, args.seed + 1, groups=client_ids)
+            order = torch.argsort(client_ids[held], stable=True)
+            holdout, holdout_ids = rows[held][order], client_ids[held][order]
+            rows, client_ids = rows[~held], client_ids[~held]
+        if args.personalized:
+            held = stratified_holdout(labels[rows], args.local_test_fraction, args.seed, groups=client_ids)
+            order = torch.argsort(client_ids[held], stable=True)
+            local_test, local_test_ids = rows[held][order], client_ids[held][order]
+            rows, client_ids = rows[~held], client_ids[~held]
+        order = torch.argsort(client_ids, stable=True)
+        return RowPlan(rows[order], client_ids[order], holdout, holdout_ids, local_test, local_test_ids)
 
     def _standardize(self) -> None:
         """Maps every split with the mean/std the server derives from the clients' sums."""
@@ -515,14 +584,17 @@ class FederatedDataModule(LightningDataModule):
                 f"hold{'s' if count == 1 else ''} NaN/inf features, so no model is fitted on them: repair or drop "
                 f"those rows (they come from {source})")
 
-    def _backbone_features(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def _backbone_features(self, rows: Tensor | None = None, data=None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Both splits' features and labels of the raw `data` (default: loaded here); with `rows`
+        (positions in the training split), the training features of those rows alone, read or
+        extracted for them only, and no test rows."""
         from workbench.backbones import build_backbone
         from workbench.backbones.layers import with_layers
-        from workbench.data.features import cached_features, check_cache_room
+        from workbench.data.features import cached_features, cached_rows, check_cache_room
         from workbench.data.registry import dataset_modality
 
         args = self.args
-        data = self._raw_data()
+        data = self._raw_data() if data is None else data
         self._num_classes = len(data.classes)
         if args.dataset == "hf" and own_modality(self.hf) == "features":  # precomputed: no backbone
             if args.trainable_tail:
@@ -542,12 +614,18 @@ class FederatedDataModule(LightningDataModule):
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         where = dict(cache_dir=args.cache_dir, dataset=data.name if args.dataset == "hf" else args.dataset,
                      source=data.source, precision=args.precision)
-        check_cache_room(backbone, {"train": data.train.labels, "test": data.test.labels}, **where)
+        if rows is None:
+            check_cache_room(backbone, {"train": data.train.labels, "test": data.test.labels}, **where)
+        where.update(batch_size=args.extract_batch_size, device=device)
         splits = []
         for split_name, split in (("train", data.train), ("test", data.test)):
             inputs = split.texts if kind == "text" else split.images
-            features = cached_features(backbone, inputs, split.labels, split=split_name,
-                                       batch_size=args.extract_batch_size, device=device, **where)
+            if rows is None:
+                features = cached_features(backbone, inputs, split.labels, split=split_name, **where)
+            elif split_name == "train":  # a node's own training rows
+                features = cached_rows(backbone, inputs, split.labels, rows, split=split_name, **where)
+            else:  # and no test rows
+                features = torch.zeros(0, backbone.feature_dim)
             if getattr(backbone, "feature_shape", ()):  # a tail's input maps, cached flattened (image backbones only)
                 features = features.view(len(features), *backbone.feature_shape)
             splits += [features, split.labels]

@@ -364,6 +364,37 @@ def cached_features(backbone, inputs: Tensor | Sequence[str], labels: Tensor, *,
     return features
 
 
+def cached_rows(backbone, inputs: Tensor | Sequence[str], labels: Tensor, rows: Tensor, *,
+                cache_dir: str | Path, dataset: str, split: str, source: str,
+                batch_size: int = 256, device: str = "cpu", precision: str = "float32") -> Tensor:
+    """Features of `inputs[rows]` alone (a node's own rows): read from the split's cache file where
+    it holds them — memory-mapped, so only those rows are read; its key, shape and labels are
+    checked, its digest (every row's bytes) is not — else extracted for those rows only and not
+    stored (a cache file holds a whole split). Extracted in other batches than the whole split's,
+    they can differ from its cached rows in the last bits."""
+    key, path = cache_file(backbone, labels, cache_dir=cache_dir, dataset=dataset, split=split, source=source,
+                           precision=precision)
+    if path.exists():
+        try:
+            blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            features = blob.get("features") if isinstance(blob, dict) and blob.get("key") == key else None
+            if not isinstance(features, Tensor) or features.dtype != torch.float32 \
+                    or tuple(features.shape) != (len(labels), backbone.feature_dim):
+                raise ValueError("its key, shape or dtype does not match")
+            if not torch.equal(blob.get("labels"), labels):
+                raise ValueError("its labels differ from the dataset's")
+            picked = features[rows].clone()
+            if not all_finite(picked):
+                raise ValueError("these rows hold NaN or inf")
+            return picked
+        except Exception as why:  # a truncated or foreign file fails in many ways: these rows are extracted
+            warnings.warn(f"feature cache {path} cannot give these rows ({why}); extracting them", stacklevel=2)
+    extract: Callable[..., Tensor] = extract_text_features if is_text_backbone(backbone) else extract_features
+    chosen = inputs[rows] if isinstance(inputs, Tensor) else [inputs[row] for row in rows.tolist()]
+    return extract(backbone, chosen, batch_size, device, desc=f"{dataset}/{split} ({len(rows)} rows)",
+                   precision=precision)
+
+
 def client_sums(features: Tensor, client_ids: Tensor, num_clients: int) -> tuple[Tensor, Tensor, Tensor]:
     """What each client sends for the standardization: Σx (K, d), Σx² (K, d), n (K,), float64."""
     x = features.double()

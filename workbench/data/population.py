@@ -17,7 +17,7 @@ data module's own, not copies. `population_of` takes either.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -121,6 +121,14 @@ class Population:
         holdout = self.holdout.of(client) if self.holdout is not None and self.holdout.client_ids is not None else None
         local_test = self.local_test.of(client) if self.local_test is not None else None
         return ClientData(client, self.train.of(client), holdout, local_test)
+
+
+    def only(self, client: int) -> Population:
+        """The population as the node serving `client` sees it: that client's rows of every split
+        (a pooled hold-out and the global test split belong to no client: none of them)."""
+        share = self.client(client)
+        nothing = Rows(self.test.features[:0], self.test.labels[:0])
+        return replace(self, train=share.train, holdout=share.holdout, local_test=share.local_test, test=nothing)
 
 
 def population_of(data: Any) -> Population:

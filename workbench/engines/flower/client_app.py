@@ -38,12 +38,13 @@ import uuid
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from workbench.data.population import ClientData, Population, population_of
+from workbench.data.population import ClientData
 from workbench.engines.flower.spec import (
     RunSpec,
     flag,
@@ -110,23 +111,24 @@ class NodeData:
                       torch.tensor([k]), torch.arange(len(rows)), self.batch_size)
 
 
-_populations: dict[tuple[str, str], Population] = {}  # (data class, args) -> its population, one per process
+_datamodules: dict[tuple[str, str], Any] = {}  # (data class, args) -> its data module, one per process
 
 
 def client_data(spec: RunSpec, client: int, num_partitions: int) -> NodeData:
-    """Client `client`'s share of the spec's data (the data is set up once per process)."""
+    """Client `client`'s share of the spec's data, built for that client alone where the data
+    allows (`FederatedDataModule.population(client)`: backbone features read or extracted for its
+    rows only); the data module is kept per process, for the other nodes a process serves."""
     key = (spec.data, spec.data_args)
-    if key not in _populations:
-        _populations.clear()
-        datamodule = spec.build_data()
-        datamodule.setup("fit")
-        _populations[key] = population_of(datamodule)
-    data = _populations[key]
-    if num_partitions != data.num_clients:
+    if key not in _datamodules:
+        _datamodules.clear()
+        _datamodules[key] = spec.build_data()
+    datamodule = _datamodules[key]
+    if num_partitions != datamodule.num_clients:
         raise ValueError(f"the federation has num-partitions = {num_partitions} in its node config but the "
-                         f"run's data has num_clients = {data.num_clients}: start one SuperNode per client")
+                         f"run's data has num_clients = {datamodule.num_clients}: start one SuperNode per client")
     if not 0 <= client < num_partitions:
         raise ValueError(f"partition-id {client} is outside [0, {num_partitions})")
+    data = datamodule.population(client)
     return NodeData(data.client(client), Problem.of(data), data.batch_size)  # (the data's tail too)
 
 
