@@ -71,7 +71,7 @@ def short_help(command: str, what: str) -> str:
         "  --data.KEY=VALUE     one of the data's settings (dataset, backbone, num_clients, partition, alpha, ...)",
         "  --federation.KEY=VALUE",
         "                       the protocol (dropout, secure_aggregation, dp_sigma, sample_rate, aggregation,",
-        "                       adversary_fraction, ...): docs/protocol.md",
+        "                       adversary_fraction, compression.kind, ...): docs/protocol.md",
         "  --systems.KEY=VALUE  the clients' links and devices, a simulated clock (preset, deadline_s, ...):",
         "                       docs/latency.md",
         "  --stages FILE        protocol stages of one's own, e.g. local noise (a list of class_path, init_args):",

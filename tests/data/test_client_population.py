@@ -105,3 +105,17 @@ def test_a_flower_node_serves_its_partition_from_its_own_rows(add_dataset, tmp_p
     node = client_app.client_data(spec, 2, 3)
     assert node.client == 2 and len(calls) == 1 and calls[0] < 90
     assert node.problem.num_classes == 3 and node.problem.input_shape == (1280,)
+
+
+def test_a_process_serving_several_nodes_loads_the_data_once_more_at_most(add_dataset, tmp_path, monkeypatch):
+    add_dataset("tiny_images", fake_images)
+    tiny(tmp_path).setup()  # the cache
+    loads = []
+    raw_data = FederatedDataModule._raw_data
+    monkeypatch.setattr(FederatedDataModule, "_raw_data", lambda self: loads.append(1) or raw_data(self))
+    dm = tiny(tmp_path)
+    first = dm.population(0)
+    assert dm.population(0) is first and len(loads) == 1  # a node asks twice: one load
+    for client in (1, 2, 1):
+        assert_same_share(dm.population(client), dm, client)
+    assert len(loads) == 2  # the second client: the whole data, once, for every client after

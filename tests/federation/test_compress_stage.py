@@ -88,7 +88,7 @@ def test_what_cannot_be_compressed_is_refused_in_one_line_before_any_work(fit_me
     dm = data(num_clients=3)
     with pytest.raises(ValueError, match=r"AFL does not send .*compression.kind=none"):
         fit_method(AFL(), dm, Federation(compression=TOPK))
-    with pytest.raises(ValueError, match=r"OSFED does not send .*compression.kind=none"):  # its snapshots are its own
+    with pytest.raises(ValueError, match=r"OSFED does not send \(it sends a message of its own per client"):
         fit_method(OSFED(num_rounds=1, **small()), dm, Federation(compression=TOPK))
     with pytest.raises(ValueError, match=r"secure aggregation's masks .*compression.kind=none"):
         Federation(compression=TOPK, secure_aggregation=True)
@@ -100,3 +100,10 @@ def test_a_fit_logs_the_compressors_bytes_and_time(fit_method):
     dense = 4 * sum(engine.method.uploads["update"].sizes)  # float32
     assert engine.fit_metrics["comm/bytes_up"] == 2 * 3 * per_client < 2 * 3 * dense
     assert engine.fit_metrics["time/compress_s"] > 0
+
+
+def test_a_half_built_without_the_stages_state_is_refused_rather_than_run_without_error_feedback():
+    pipeline = Pipeline.of(Federation(compression=TOPK))
+    with pytest.raises(RuntimeError, match="holds no error feedback for the compress stage"):
+        send(pipeline, SimpleNamespace(protocol_state=torch.nn.ModuleDict()), torch.randn(2, sum(SIZES)),
+             torch.tensor([0, 1]))

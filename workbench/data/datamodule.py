@@ -339,6 +339,7 @@ class FederatedDataModule(LightningDataModule):
         self.hf = hf
         self._natural_ids: Tensor | None = None  # dataset hf: the train rows' client-column ids
         self._tail: torch.nn.Module | None = None  # data.trainable_tail: the backbone's last stages
+        self._shares: dict[int, Population] = {}  # the clients' rows `population(client)` gave
         self._ready = False
 
     # ---- the shape of the problem ---------------------------------------------------------
@@ -412,10 +413,11 @@ class FederatedDataModule(LightningDataModule):
         K, the classes, the tail, the settings that decide the rows and their short labels.
 
         With `client` (a Flower node's partition), that client's rows alone (`Population.only`):
-        before `setup`, backbone features are read (memory-mapped, from the cache) or extracted
-        for its rows only — the same rows as the whole data's, chosen from the labels alone. Data
-        that is its own inputs (synthetic blobs, raw images, a file of your own features) is
-        loaded whole, and `standardize` needs every client's sums: those set up the whole data.
+        for the first client asked, backbone features are read (memory-mapped, from the cache) or
+        extracted for its rows only — the same rows as the whole data's, chosen from the labels
+        alone. Data that is its own inputs (synthetic blobs, raw images, a file of your own
+        features) is loaded whole, `standardize` needs every client's sums, and a process asked
+        for a second client (one serving several nodes) loads once: those set up the whole data.
         """
         if client is not None:
             return self._client_population(client)
@@ -432,11 +434,16 @@ class FederatedDataModule(LightningDataModule):
         args = self.args
         if not 0 <= client < args.num_clients:
             raise ValueError(f"client {client} is outside the federation's [0, {args.num_clients})")
+        if client in self._shares:  # (a node asks twice: its introduction, its first round)
+            return self._shares[client]
         own_features = args.dataset == "hf" and own_modality(self.hf) == "features"
-        if (self._ready or args.standardize or args.dataset == "synthetic" or args.inputs == "images"
-                or own_features):
+        # a second client in one process (a simulation's worker, the loopback grid): the whole data
+        # set up once and sliced, as every node did before, instead of one load per client
+        if (self._ready or self._shares or args.standardize or args.dataset == "synthetic"
+                or args.inputs == "images" or own_features):
             self.setup()
-            return self.population().only(client)
+            share = self._shares[client] = self.population().only(client)
+            return share
         raw = self._raw_data()
         plan = self._plan(raw.train.labels)
         parts = [plan.train[plan.train_client_ids == client]]
@@ -459,8 +466,10 @@ class FederatedDataModule(LightningDataModule):
         train = rows(parts[0])
         holdout = rows(parts[1]) if plan.holdout_client_ids is not None else None
         local_test = rows(parts[-1]) if plan.local_test is not None else None
-        return Population(train, Rows(x_test, y_test[:0]), args.num_clients, self._num_classes, args.batch_size,
-                          holdout, local_test, self._tail, self.identity(), self.describe())
+        share = self._shares[client] = Population(train, Rows(x_test, y_test[:0]), args.num_clients, self._num_classes,
+                                                  args.batch_size, holdout, local_test, self._tail, self.identity(),
+                                                  self.describe())
+        return share
 
     # ---- loading ----------------------------------------------------------------------------
     def _require_setup(self) -> None:
@@ -680,8 +689,8 @@ class FederatedDataModule(LightningDataModule):
     # ---- loaders ----------------------------------------------------------------------------
     def train_dataloader(self) -> DataLoader:
         """One item per epoch: an epoch is one communication round, and the engine reads the
-        clients' training rows itself (`train_features`, `train_labels`, `train_client_ids`,
-        ordered by client), whole clients per process."""
+        clients' training rows itself, through the data's `population()` (ordered by client),
+        whole clients per process."""
         # a list is a map-style dataset (__getitem__ and __len__), which the stubs do not accept
         return DataLoader([{"round": torch.zeros((), dtype=torch.long)}], batch_size=None)  # type: ignore[arg-type]
 

@@ -276,8 +276,10 @@ class Compress(ProtocolStage):
     def check(self, setting: Setting) -> None:
         updates = codec.model_update_names(setting.spec)
         if not updates:
+            sends = ("a message of its own per client, compressed its own way" if codec.stacked_names(setting.spec)
+                     else "statistics, summed exactly")
             raise ValueError(f"federation.compression compresses clients' model updates, which {setting.method} "
-                             "does not send (its uploads are summed exactly): set federation.compression.kind=none")
+                             f"does not send (it sends {sends}): set federation.compression.kind=none")
         for name in updates:
             compressor(self.federation.compression, setting.spec[name])
 
@@ -309,6 +311,9 @@ class Compress(ProtocolStage):
         for name in names:
             updates = uploads[name].flatten(1)  # (m, P)
             feedback = kept[self.residuals(name)] if self.residuals(name) in kept else None
+            if feedback is None and outgoing.federation.error_feedback.enabled:
+                raise RuntimeError("these clients' half holds no error feedback for the compress stage: build it "
+                                   "under the fit's protocol (Pipeline.keep_state, as LocalClients does)")
             assert feedback is None or isinstance(feedback, Residuals)
             target = feedback.target(outgoing.clients, updates) if feedback is not None else updates
             sent = compressor(outgoing.federation.compression, outgoing.spec[name])(target)
