@@ -8,7 +8,6 @@ import torch
 import workbench.data.features as features_module
 from tests.methods.conftest import fake_images
 from workbench.data import FederatedDataModule, SyntheticBlobs
-from workbench.engines.flower import spec as flower_spec
 
 
 def tiny(cache_dir, **settings) -> FederatedDataModule:
@@ -96,10 +95,11 @@ def test_data_that_is_its_own_inputs_is_set_up_whole_and_sliced():
 def test_a_flower_node_serves_its_partition_from_its_own_rows(add_dataset, tmp_path, monkeypatch):
     pytest.importorskip("flwr", reason="the Flower engine needs the `flower` extra: pip install -e '.[flower]'")
     from workbench.engines.flower import client_app
+    from workbench.engines.flower.spec import RunSpec
     from workbench.methods import AFL
 
     add_dataset("tiny_images", fake_images)
-    spec = flower_spec.RunSpec.of(AFL(), tiny(tmp_path))
+    spec = RunSpec.of(AFL(), tiny(tmp_path))
     calls = extracted_rows(monkeypatch)
     monkeypatch.setattr(client_app, "_datamodules", {})
     node = client_app.client_data(spec, 2, 3)
