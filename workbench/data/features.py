@@ -203,11 +203,12 @@ def _blob(key: str, features: Tensor, labels: Tensor) -> dict:
             "digests": {"features": payload_digest(features), "labels": payload_digest(labels)}}
 
 
-def _read(path: Path, key: str, labels: Tensor, feature_dim: int) -> tuple[Tensor, bool]:
+def _read(path: Path, key: str, labels: Tensor, feature_dim: int, rows: Tensor | None = None) -> tuple[Tensor, bool]:
     """The cached features if `path` holds exactly these, and whether the file had digests to check
-    them by; raises ValueError saying why not."""
+    them by; raises ValueError saying why not. With `rows`, those rows alone (a copy), the file
+    memory-mapped so that only they are read, and its digests (every row's bytes) not checked."""
     try:
-        blob = torch.load(path, map_location="cpu", weights_only=True)
+        blob = torch.load(path, map_location="cpu", weights_only=True, mmap=rows is not None)
     except Exception as error:  # a truncated or foreign file fails in many ways
         raise ValueError(f"unreadable ({type(error).__name__}: {error})") from error
     if not isinstance(blob, dict) or blob.get("key") != key:
@@ -218,13 +219,15 @@ def _read(path: Path, key: str, labels: Tensor, feature_dim: int) -> tuple[Tenso
         raise ValueError(f"features have the wrong shape or dtype, expected ({len(labels)}, {feature_dim}) float32")
     if not isinstance(stored_labels, Tensor):
         raise ValueError("it holds no labels")
-    digests = blob.get("digests")
+    digests = blob.get("digests") if rows is None else None
     if digests is not None:  # files written before digests have none (cached_features adds them)
         for name, tensor in (("features", features), ("labels", stored_labels)):
             if not isinstance(digests, dict) or digests.get(name) != payload_digest(tensor):
                 raise ValueError(f"its {name} do not match the digest written with them: the file was damaged")
     if not torch.equal(stored_labels, labels):
         raise ValueError("its labels differ from the dataset's")
+    if rows is not None:
+        features = features[rows].clone()
     if not all_finite(features):
         raise ValueError("features contain NaN or inf")
     return features, digests is not None
@@ -376,18 +379,8 @@ def cached_rows(backbone, inputs: Tensor | Sequence[str], labels: Tensor, rows: 
                            precision=precision)
     if path.exists():
         try:
-            blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            features = blob.get("features") if isinstance(blob, dict) and blob.get("key") == key else None
-            if not isinstance(features, Tensor) or features.dtype != torch.float32 \
-                    or tuple(features.shape) != (len(labels), backbone.feature_dim):
-                raise ValueError("its key, shape or dtype does not match")
-            if not torch.equal(blob.get("labels"), labels):
-                raise ValueError("its labels differ from the dataset's")
-            picked = features[rows].clone()
-            if not all_finite(picked):
-                raise ValueError("these rows hold NaN or inf")
-            return picked
-        except Exception as why:  # a truncated or foreign file fails in many ways: these rows are extracted
+            return _read(path, key, labels, backbone.feature_dim, rows)[0]
+        except ValueError as why:
             warnings.warn(f"feature cache {path} cannot give these rows ({why}); extracting them", stacklevel=2)
     extract: Callable[..., Tensor] = extract_text_features if is_text_backbone(backbone) else extract_features
     chosen = inputs[rows] if isinstance(inputs, Tensor) else [inputs[row] for row in rows.tolist()]

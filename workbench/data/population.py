@@ -122,7 +122,6 @@ class Population:
         local_test = self.local_test.of(client) if self.local_test is not None else None
         return ClientData(client, self.train.of(client), holdout, local_test)
 
-
     def only(self, client: int) -> Population:
         """The population as the node serving `client` sees it: that client's rows of every split
         (a pooled hold-out and the global test split belong to no client: none of them)."""

@@ -112,7 +112,7 @@ class FlowerClients:
                  pipeline: Pipeline = NO_PROTOCOL) -> None:
         datamodule.setup("fit")
         self.grid: Grid | None = grid
-        self.method, self.datamodule = method, datamodule
+        self.method = method
         population = population_of(datamodule)
         self.settings = settings or FlowerSettings()
         self.protocol = pipeline.node_settings()  # what the nodes run of the fit's protocol from the start
