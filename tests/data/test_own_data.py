@@ -3,6 +3,7 @@ folders the tests write, each run through the CLI; natural partitions; bad data 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -356,7 +357,7 @@ def test_natural_without_a_client_column_fails_before_any_work(tmp_path):
 
 def test_a_client_with_no_samples_under_natural_is_an_error(tmp_path):
     dm = own(tmp_path, blobs_table(n=60, num_writers=3), feature_column="emb", client_column="writer")
-    dm.args.partition, dm.args.num_clients = "natural", 5  # as if configured so
+    dm.partitioning = replace(dm.partitioning, partition="natural", num_clients=5)  # as if configured so
     with pytest.raises(ValueError, match="at most 3"):
         dm.setup()
 

@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from lightning import LightningDataModule
 from lightning.fabric.utilities.data import AttributeDict
@@ -14,81 +12,9 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from workbench.data.hf import OwnData, own_modality
-from workbench.data.partition import partition as assign_clients
-from workbench.data.partition import stratified_holdout
 from workbench.data.population import Population, Rows
-from workbench.settings import init_arguments, plain
-
-# Settings that say where the data lives and how fast it is read, not what its rows are
-WHERE_NOT_WHAT = frozenset({"data_dir", "download", "cache_dir", "extract_batch_size", "device", "batch_size",
-                            "weights_path"})
-PARTITION_PARAMS = {
-    "iid": (),
-    "dirichlet": ("alpha", "min_partition_size", "self_balancing"),
-    "shard": ("num_shards_per_partition", "shard_size"),
-    "pathological": ("num_classes_per_partition",),
-    "natural": (),
-    "flower": ("flower",),
-}
-
-
-
-def in_data_settings(message: str, params: dict[str, Any]) -> str:
-    """A partitioner's message in the data module's words: its `num_partitions` is
-    data.num_clients, its parameters are data.<name>, and a partition is a client."""
-    for name in params:
-        message = re.sub(rf"\b{name}\b", f"data.{name}", message)
-    message = re.sub(r"\bnum_partitions\b", "data.num_clients", message)
-    return re.sub(r"\bpartition(s?)\b", r"client\1", message)
-
-
-def check_inputs(dataset: str, inputs: str, backbone: str, cache_dir: str, hf: OwnData | None = None) -> None:
-    """What can be known about the data before anything is loaded: the dataset and backbone exist
-    and suit each other, and the feature cache can take the features. ValueError naming the
-    choices (PermissionError for the cache). `hf`: the settings of dataset `hf`."""
-    from workbench.backbones import backbone_modality, list_backbones
-    from workbench.data.features import check_writable
-    from workbench.data.registry import DATASETS
-
-    if dataset == "hf":
-        hf = hf or OwnData()
-        hf.check()
-        kind, dataset = own_modality(hf), hf.cache_name()
-        if kind == "features":  # precomputed: no backbone, nothing cached
-            if inputs == "images":
-                raise ValueError("data.hf.feature_column holds precomputed features, not images: "
-                                 "use data.inputs=features")
-            return
-    elif dataset not in DATASETS:
-        names = ", ".join([*DATASETS.names(), "synthetic", "hf"])
-        raise ValueError(f"unknown dataset {dataset!r}; choose one of: {names} (`python -m workbench list` "
-                         "describes them)")
-    else:
-        kind = DATASETS.modality(dataset)
-    if inputs == "images":
-        if kind != "image":
-            raise ValueError(f"data.inputs=images needs an image dataset; {dataset!r} holds texts: "
-                             "use data.inputs=features with a text backbone")
-        return
-    try:
-        backbone_kind = backbone_modality(backbone)
-    except ValueError:
-        raise ValueError(f"unknown backbone {backbone!r}; choose one of: {', '.join(list_backbones(modality=kind))}"
-                         + (" or any timm model name (timm.list_models())" if kind == "image" else "")) from None
-    if backbone_kind != kind:
-        choices = ", ".join(list_backbones(modality=kind))
-        raise ValueError(f"dataset {dataset!r} holds {kind}s but backbone {backbone!r} is not a {kind} backbone; "
-                         f"set data.backbone to one of {choices}"
-                         + (" or any timm model name" if kind == "image" else ""))
-    check_writable(cache_dir, dataset)
-
-def _is_text_backbone(backbone: str) -> bool:
-    from workbench.backbones import backbone_modality
-
-    try:
-        return backbone_modality(backbone) == "text"
-    except ValueError:  # an unknown name: check_inputs says so
-        return False
+from workbench.data.settings import PARTITION_PARAMS as PARTITION_PARAMS  # (the catalog lists the schemes)
+from workbench.data.settings import ClientSplits, FeatureSource, Partitioning, RowPlan, group_from
 
 
 @dataclass(frozen=True)
@@ -127,20 +53,6 @@ class SyntheticBlobs:
         return (*draw(self.train_size), *draw(self.test_size))
 
 
-@dataclass(frozen=True)
-class RowPlan:
-    """Positions in the training split's rows of each split's rows (`FederatedDataModule._plan`):
-    train (n,) ordered by client with its train_client_ids; holdout (h,) (with client ids when each
-    client holds its own, else None) or None; local_test (t,) with its client ids, or None."""
-
-    train: Tensor
-    train_client_ids: Tensor
-    holdout: Tensor | None = None
-    holdout_client_ids: Tensor | None = None
-    local_test: Tensor | None = None
-    local_test_client_ids: Tensor | None = None
-
-
 class FeatureBatches(Dataset):
     """Contiguous slices of in-memory tensors; one item is one whole batch (no per-sample collate)."""
 
@@ -162,6 +74,11 @@ class FederatedDataModule(LightningDataModule):
     The training rows (`train_features`, `train_labels`, `train_client_ids`) are ordered by
     client; the engine hands whole clients to the methods' client halves. Test batches hold
     `features` and `labels` of the global test split.
+
+    The settings come as flat arguments and fall into three groups (`workbench.data.settings`),
+    each checking its own: `source`, where the inputs come from (`FeatureSource`); `partitioning`,
+    which client holds each row (`Partitioning`); `splits`, how the rows are split (`ClientSplits`).
+    `batch_size` is the module's own.
 
     Args:
         dataset: a name from `workbench.data.datasets.list_datasets()` (image or text), or
@@ -276,67 +193,21 @@ class FederatedDataModule(LightningDataModule):
         hf: OwnData = OwnData(),
         flower: dict[str, Any] | None = None,
     ) -> None:
+        arguments = dict(locals())  # the flat arguments as given (the command line's hparams hold dicts)
         super().__init__()
-        if partition not in PARTITION_PARAMS:
-            raise ValueError(f"unknown partition {partition!r}; choose one of {sorted(PARTITION_PARAMS)}")
-        if partition == "dirichlet" and not alpha > 0:
-            raise ValueError(f"data.alpha must be > 0 for a Dirichlet partition, got {alpha}; "
-                             "small values (0.05) mean strong label skew, large ones (100) near-iid")
-        if num_clients < 1:
-            raise ValueError(f"data.num_clients must be ≥ 1, got {num_clients}")
-        if inputs not in ("features", "images"):
-            raise ValueError(f"data.inputs must be 'features' or 'images', got {inputs!r}")
-        if inputs == "images" and dataset == "synthetic":
-            raise ValueError("the synthetic dataset is drawn in feature space and has no images: "
-                             "use data.inputs=features, or an image dataset such as mnist5k")
-        if not 0 < local_test_fraction < 1:
-            raise ValueError(f"data.local_test_fraction must be in (0, 1), got {local_test_fraction}")
-        if not 0 <= val_fraction < 1:
-            raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
-        if val_split not in ("pool", "clients"):
-            raise ValueError(f"data.val_split must be pool (held out before partitioning) or clients (each "
-                             f"client's own hold-out), got {val_split!r}")
+        self.source = group_from(FeatureSource, arguments)
+        self.partitioning = group_from(Partitioning, arguments)
+        self.splits = group_from(ClientSplits, arguments)
+        self.partitioning.check()
+        self.splits.check()
         if batch_size < 1 or extract_batch_size < 1:
             raise ValueError("batch_size and extract_batch_size must be ≥ 1")
-        if precision not in ("float32", "bf16"):
-            raise ValueError(f"data.precision must be 'float32' or 'bf16', got {precision!r}")
-        if feature_layers and (dataset == "synthetic" or inputs == "images"):
-            raise ValueError("data.feature_layers picks backbone layers, and this data has no backbone "
-                             f"(dataset {dataset!r}, inputs {inputs!r}): drop feature_layers or use backbone features")
-        if isinstance(trainable_tail, bool) or int(trainable_tail) != trainable_tail or trainable_tail < 0:
-            raise ValueError(f"data.trainable_tail must be an integer ≥ 0 (the backbone's last stages left "
-                             f"trainable), got {trainable_tail!r}")
-        if trainable_tail:
-            if inputs == "images":
-                raise ValueError("data.trainable_tail caches a backbone's inner activations, and data.inputs=images "
-                                 "has no backbone: use data.inputs=features")
-            if feature_layers or standardize:
-                raise ValueError("data.trainable_tail caches the input maps of the backbone's last stages, not "
-                                 "feature vectors: drop data.feature_layers and data.standardize")
-            if dataset != "synthetic" and _is_text_backbone(backbone):
-                raise ValueError(f"data.trainable_tail needs an image backbone with a tail builder (EfficientNet, "
-                                 f"ResNet); {backbone!r} is a text backbone: set data.trainable_tail=0")
-        if standardize and inputs == "images":
-            raise ValueError("data.standardize applies to feature vectors: use data.inputs=features or drop it")
-        by_client = partition == "natural" or (partition == "flower" and (flower or {}).get("by") == "client")
-        if by_client and (dataset != "hf" or not hf.client_column):
-            raise ValueError(f"data.partition={partition} partitions by the data's own client ids: use "
-                             "data.dataset=hf and name the column in data.hf.client_column")
-        if partition == "flower" and (not (flower or {}).get("partitioner")
-                                      or (flower or {}).get("by", "label") not in ("label", "client")):
-            raise ValueError("data.partition=flower needs data.flower.partitioner, a Flower Datasets "
-                             "partitioner name (e.g. linear, inner_dirichlet), its arguments in data.flower, "
-                             f"and optionally by: label (default) or client; got {flower!r}")
-        if dataset == "synthetic":
-            synthetic.check()
-        else:
-            check_inputs(dataset, inputs, backbone, cache_dir, hf)
+        self.partitioning.check_source(self.source)
+        self.source.check()  # last: it looks for the dataset, the backbone and the cache
         self.save_hyperparameters()
         hparams = self.hparams
         assert isinstance(hparams, AttributeDict)  # what save_hyperparameters stores
         self.args = hparams
-        self.synthetic = synthetic
-        self.hf = hf
         self._natural_ids: Tensor | None = None  # dataset hf: the train rows' client-column ids
         self._tail: torch.nn.Module | None = None  # data.trainable_tail: the backbone's last stages
         self._shares: dict[int, Population] = {}  # the clients' rows `population(client)` gave
@@ -345,7 +216,17 @@ class FederatedDataModule(LightningDataModule):
     # ---- the shape of the problem ---------------------------------------------------------
     @property
     def num_clients(self) -> int:
-        return self.args.num_clients
+        return self.partitioning.num_clients
+
+    @property
+    def synthetic(self) -> SyntheticBlobs:
+        """The generator's settings (dataset `synthetic`)."""
+        return self.source.synthetic
+
+    @property
+    def hf(self) -> OwnData:
+        """One's own data's settings (dataset `hf`)."""
+        return self.source.hf
 
     @property
     def num_classes(self) -> int:
@@ -375,38 +256,11 @@ class FederatedDataModule(LightningDataModule):
         by dotted key (`synthetic.dim`): what a checkpoint made on it must match. Where the data
         lives, batch sizes, and the settings of another partition scheme, an unused split or
         another dataset's generator are left out."""
-        settings = plain(init_arguments(self))
-        args = self.args
-        unused = set(WHERE_NOT_WHAT) | {name for scheme, names in PARTITION_PARAMS.items()
-                                        if scheme != args.partition for name in names}
-        if not args.personalized:
-            unused.add("local_test_fraction")
-        if not self.has_validation:
-            unused.add("val_split")
-        unused |= {name for name in ("synthetic", "hf") if args.dataset != name}
-        flat: dict[str, Any] = {}
-        for key, value in settings.items():
-            if key in unused:
-                continue
-            if isinstance(value, dict) and key != "flower":  # the generator's and own data's settings, one by one
-                flat.update({f"{key}.{name}": item for name, item in value.items()})
-            else:
-                flat[key] = value
-        return flat
+        return {**self.source.identity(), **self.partitioning.identity(), **self.splits.identity()}
 
     def describe(self) -> dict[str, str]:
         """Short labels of this data setup, for run names, tags and tables."""
-        args = self.args
-        main_param = PARTITION_PARAMS[args.partition][:1]  # the one that sets the skew
-        params = ",".join(f"{name}={args[name]}" for name in main_param)
-        if args.partition == "flower":  # the Flower partitioner's name, not its whole settings
-            params = str(args.flower["partitioner"])
-        no_backbone = (args.dataset == "synthetic" or args.inputs == "images"
-                       or (args.dataset == "hf" and own_modality(self.hf) == "features"))
-        return {"dataset": self.hf.cache_name() if args.dataset == "hf" else args.dataset,
-                "backbone": "none" if no_backbone else args.backbone,
-                "partition": f"{args.partition}({params})" if params else args.partition,
-                "num_clients": str(args.num_clients)}
+        return {**self.source.describe(), **self.partitioning.describe()}
 
     def population(self, client: int | None = None) -> Population:
         """This data across the boundary (`workbench.data.population`): the splits' own tensors,
@@ -425,22 +279,20 @@ class FederatedDataModule(LightningDataModule):
         holdout = (Rows(self.val_features, self.val_labels, getattr(self, "val_client_ids", None))
                    if self.has_validation else None)
         local_test = (Rows(self.local_test_features, self.local_test_labels, self.local_test_client_ids)
-                      if self.args.personalized else None)
+                      if self.splits.personalized else None)
         return Population(Rows(self.train_features, self.train_labels, self.train_client_ids),
                           Rows(self.test_features, self.test_labels), self.num_clients, self.num_classes,
                           self.args.batch_size, holdout, local_test, self._tail, self.identity(), self.describe())
 
     def _client_population(self, client: int) -> Population:
-        args = self.args
-        if not 0 <= client < args.num_clients:
-            raise ValueError(f"client {client} is outside the federation's [0, {args.num_clients})")
+        source = self.source
+        if not 0 <= client < self.num_clients:
+            raise ValueError(f"client {client} is outside the federation's [0, {self.num_clients})")
         if client in self._shares:  # (a node asks twice: its introduction, its first round)
             return self._shares[client]
-        own_features = args.dataset == "hf" and own_modality(self.hf) == "features"
         # a second client in one process (a simulation's worker, the loopback grid): the whole data
         # set up once and sliced, as every node did before, instead of one load per client
-        if (self._ready or self._shares or args.standardize or args.dataset == "synthetic"
-                or args.inputs == "images" or own_features):
+        if self._ready or self._shares or source.standardize or not source.has_backbone:
             self.setup()
             share = self._shares[client] = self.population().only(client)
             return share
@@ -455,8 +307,8 @@ class FederatedDataModule(LightningDataModule):
         from workbench.data.features import all_finite
 
         if not all_finite(x_rows):
-            raise ValueError(f"data '{args.dataset}': client {client}'s rows hold NaN/inf features (extracted by "
-                             f"{args.backbone} from its raw inputs), so no model is fitted on them: repair or drop "
+            raise ValueError(f"data '{source.dataset}': client {client}'s rows hold NaN/inf features (extracted by "
+                             f"{source.backbone} from its raw inputs), so no model is fitted on them: repair or drop "
                              "those inputs")
         features = iter(x_rows.split([len(part) for part in parts]))
 
@@ -466,9 +318,9 @@ class FederatedDataModule(LightningDataModule):
         train = rows(parts[0])
         holdout = rows(parts[1]) if plan.holdout_client_ids is not None else None
         local_test = rows(parts[-1]) if plan.local_test is not None else None
-        share = self._shares[client] = Population(train, Rows(x_test, y_test[:0]), args.num_clients, self._num_classes,
-                                                  args.batch_size, holdout, local_test, self._tail, self.identity(),
-                                                  self.describe())
+        share = self._shares[client] = Population(train, Rows(x_test, y_test[:0]), self.num_clients,
+                                                  self._num_classes, self.args.batch_size, holdout, local_test,
+                                                  self._tail, self.identity(), self.describe())
         return share
 
     # ---- loading ----------------------------------------------------------------------------
@@ -481,21 +333,23 @@ class FederatedDataModule(LightningDataModule):
         # wait: it extracts and caches the backbone features once, and every process's `setup`
         # then reads them from the cache.
         several = getattr(self.trainer, "world_size", 1) > 1
-        if several and not self._ready and self.args.dataset != "synthetic" and self.args.inputs == "features":
+        source = self.source
+        if several and not self._ready and source.dataset != "synthetic" and source.inputs == "features":
             self._backbone_features()
 
     def setup(self, stage: str | None = None) -> None:
         if self._ready:
             return
-        if self.args.dataset == "synthetic":
-            x_train, y_train, x_test, y_test = self.synthetic.generate()
-            self._num_classes = self.synthetic.num_classes
-            if self.args.trainable_tail:  # the blobs as (dim, 1, 1) maps, a seeded tail of their own
+        source = self.source
+        if source.dataset == "synthetic":
+            x_train, y_train, x_test, y_test = source.synthetic.generate()
+            self._num_classes = source.synthetic.num_classes
+            if source.trainable_tail:  # the blobs as (dim, 1, 1) maps, a seeded tail of their own
                 from workbench.backbones.tail import synthetic_tail
 
                 x_train, x_test = x_train[:, :, None, None], x_test[:, :, None, None]
-                self._tail = synthetic_tail(self.synthetic.dim, self.args.trainable_tail, self.synthetic.seed)
-        elif self.args.inputs == "images":
+                self._tail = synthetic_tail(source.synthetic.dim, source.trainable_tail, source.synthetic.seed)
+        elif source.inputs == "images":
             x_train, y_train, x_test, y_test = self._images()
         else:
             x_train, y_train, x_test, y_test = self._backbone_features()
@@ -510,39 +364,14 @@ class FederatedDataModule(LightningDataModule):
             self.local_test_features, self.local_test_labels = x_train[plan.local_test], y_train[plan.local_test]
             self.local_test_client_ids = plan.local_test_client_ids
         self.test_features, self.test_labels = x_test, y_test
-        if self.args.standardize:
+        if source.standardize:
             self._standardize()
         self._check_finite()
         self._ready = True
 
     def _plan(self, labels: Tensor) -> RowPlan:
-        """Which of the training split's rows each split takes, from the labels (and the data's own
-        client ids) alone: the pooled hold-out (stratified by class, before partitioning), the
-        partition, each client's own hold-out and local test rows (stratified within the client),
-        and the training rows ordered by client."""
-        args, natural = self.args, self._natural_ids
-        rows = torch.arange(len(labels))
-        holdout = holdout_ids = local_test = local_test_ids = None
-        pooled = args.val_fraction > 0 and args.val_split == "pool"
-        if pooled:
-            held = stratified_holdout(labels, args.val_fraction, args.seed)
-            holdout, rows = rows[held], rows[~held]
-            natural = None if natural is None else natural[~held]
-        client_ids = self._partition(labels[rows], natural)
-        on_a_client = client_ids >= 0  # shard and pathological partitions may leave samples out
-        rows, client_ids = rows[on_a_client], client_ids[on_a_client]
-        if args.val_fraction > 0 and not pooled:  # each client's own hold-out, before any local test split
-            held = stratified_holdout(labels[rows], args.val_fraction, args.seed + 1, groups=client_ids)
-            order = torch.argsort(client_ids[held], stable=True)
-            holdout, holdout_ids = rows[held][order], client_ids[held][order]
-            rows, client_ids = rows[~held], client_ids[~held]
-        if args.personalized:
-            held = stratified_holdout(labels[rows], args.local_test_fraction, args.seed, groups=client_ids)
-            order = torch.argsort(client_ids[held], stable=True)
-            local_test, local_test_ids = rows[held][order], client_ids[held][order]
-            rows, client_ids = rows[~held], client_ids[~held]
-        order = torch.argsort(client_ids, stable=True)
-        return RowPlan(rows[order], client_ids[order], holdout, holdout_ids, local_test, local_test_ids)
+        """Which of the training split's rows each split takes (`ClientSplits.plan`)."""
+        return self.splits.plan(labels, self.partitioning, self._natural_ids)
 
     def _standardize(self) -> None:
         """Maps every split with the mean/std the server derives from the clients' sums."""
@@ -567,7 +396,7 @@ class FederatedDataModule(LightningDataModule):
                   ("test", self.test_features, None)]
         if self.has_validation:
             splits.append(("validation", self.val_features, None))
-        if self.args.personalized:
+        if self.splits.personalized:
             splits.append(("local test", self.local_test_features, self.local_test_client_ids))
         for split, features, client_ids in splits:
             if not features.is_floating_point() or all_finite(features):  # the rows only when some are bad
@@ -581,17 +410,18 @@ class FederatedDataModule(LightningDataModule):
                 clients = torch.unique(client_ids[bad_rows]).tolist()
                 shown = clients if len(clients) <= 10 else [*clients[:10], "..."]
                 where = f" of client{'s' if len(clients) > 1 else ''} {shown}"
-            if self.args.dataset == "hf" and own_modality(self.hf) == "features":  # the user's own vectors
-                source = f"your file's {self.hf.feature_column!r} column, {self.hf.path}"
+            source = self.source
+            if source.own_features:  # the user's own vectors
+                origin = f"your file's {source.hf.feature_column!r} column, {source.hf.path}"
             else:
-                source = "the generated data" if self.args.dataset == "synthetic" else (
-                    "the raw images" if self.args.inputs == "images" else
-                    f"the backbone's features cached in {self.args.cache_dir}; a damaged cache file is rebuilt once "
+                origin = "the generated data" if source.dataset == "synthetic" else (
+                    "the raw images" if source.inputs == "images" else
+                    f"the backbone's features cached in {source.cache_dir}; a damaged cache file is rebuilt once "
                     "deleted")
             raise ValueError(
-                f"data '{self.args.dataset}': {count} {split} row{'s' if count > 1 else ''}{where} "
+                f"data '{source.dataset}': {count} {split} row{'s' if count > 1 else ''}{where} "
                 f"hold{'s' if count == 1 else ''} NaN/inf features, so no model is fitted on them: repair or drop "
-                f"those rows (they come from {source})")
+                f"those rows (they come from {origin})")
 
     def _backbone_features(self, rows: Tensor | None = None, data=None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Both splits' features and labels of the raw `data` (default: loaded here); with `rows`
@@ -602,30 +432,30 @@ class FederatedDataModule(LightningDataModule):
         from workbench.data.features import cached_features, cached_rows, check_cache_room
         from workbench.data.registry import dataset_modality
 
-        args = self.args
+        source = self.source
         data = self._raw_data() if data is None else data
         self._num_classes = len(data.classes)
-        if args.dataset == "hf" and own_modality(self.hf) == "features":  # precomputed: no backbone
-            if args.trainable_tail:
+        if source.own_features:  # precomputed: no backbone
+            if source.trainable_tail:
                 raise ValueError("data.trainable_tail needs a backbone, and data.hf.feature_column holds "
                                  "precomputed features: set data.trainable_tail=0")
             return data.train.features, data.train.labels, data.test.features, data.test.labels
-        kind = own_modality(self.hf) if args.dataset == "hf" else dataset_modality(args.dataset)
-        backbone = build_backbone(args.backbone, pretrained=args.pretrained, weights_path=args.weights_path,
-                                  input_size=args.input_size, mean=args.mean, std=args.std,
-                                  max_length=args.max_length, pooling=args.pooling)
-        backbone = with_layers(backbone, args.feature_layers)
-        if args.trainable_tail:
+        kind = own_modality(source.hf) if source.dataset == "hf" else dataset_modality(source.dataset)
+        backbone = build_backbone(source.backbone, pretrained=source.pretrained, weights_path=source.weights_path,
+                                  input_size=source.input_size, mean=source.mean, std=source.std,
+                                  max_length=source.max_length, pooling=source.pooling)
+        backbone = with_layers(backbone, source.feature_layers)
+        if source.trainable_tail:
             from workbench.backbones.tail import build_tail, with_tail_input
 
-            self._tail = build_tail(backbone, args.trainable_tail)
-            backbone = with_tail_input(backbone, args.trainable_tail)
-        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        where = dict(cache_dir=args.cache_dir, dataset=data.name if args.dataset == "hf" else args.dataset,
-                     source=data.source, precision=args.precision)
+            self._tail = build_tail(backbone, source.trainable_tail)
+            backbone = with_tail_input(backbone, source.trainable_tail)
+        device = source.device if source.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        where = dict(cache_dir=source.cache_dir, dataset=data.name if source.dataset == "hf" else source.dataset,
+                     source=data.source, precision=source.precision)
         if rows is None:
             check_cache_room(backbone, {"train": data.train.labels, "test": data.test.labels}, **where)
-        where.update(batch_size=args.extract_batch_size, device=device)
+        where.update(batch_size=source.extract_batch_size, device=device)
         splits = []
         for split_name, split in (("train", data.train), ("test", data.test)):
             inputs = split.texts if kind == "text" else split.images
@@ -653,38 +483,16 @@ class FederatedDataModule(LightningDataModule):
 
     def _raw_data(self):
         """The raw dataset; for dataset hf also keeps the train rows' natural client ids."""
-        if self.args.dataset == "hf":
+        source = self.source
+        if source.dataset == "hf":
             from workbench.data.hf import load_own_data
 
-            own = load_own_data(self.hf, self.args.data_dir)
+            own = load_own_data(source.hf, source.data_dir)
             self._natural_ids = own.train_client_ids
             return own.data
         from workbench.data.registry import load_dataset
 
-        return load_dataset(self.args.dataset, data_dir=self.args.data_dir, download=self.args.download)
-
-    def _partition(self, labels: Tensor, natural_ids: Tensor | None = None) -> Tensor:
-        """Client of each training row, by label, or by the data's own client ids (`natural`,
-        and `flower` with `by: client`)."""
-        args = self.args
-        if args.partition == "flower":
-            params = {name: value for name, value in args.flower.items() if name != "by"}
-            by_client = args.flower.get("by", "label") == "client"
-        else:
-            params = {name: args[name] for name in PARTITION_PARAMS[args.partition]}
-            by_client = args.partition == "natural"
-        if by_client and natural_ids is None:
-            raise ValueError(f"data.partition={args.partition} partitions by client ids, and this data has "
-                             "none: name the column in data.hf.client_column")
-        keys = natural_ids if by_client else labels
-        assert keys is not None  # by client without natural ids raised above
-        try:
-            ids = assign_clients(keys.numpy(), args.partition, args.num_clients, seed=args.seed, **params)
-        except ValueError as error:
-            if args.partition == "flower":  # its settings are Flower's, as the user gave them
-                raise
-            raise ValueError(in_data_settings(str(error), params)) from None
-        return torch.from_numpy(np.asarray(ids, dtype=np.int64))
+        return load_dataset(source.dataset, data_dir=source.data_dir, download=source.download)
 
     # ---- loaders ----------------------------------------------------------------------------
     def train_dataloader(self) -> DataLoader:
@@ -697,7 +505,7 @@ class FederatedDataModule(LightningDataModule):
     @property
     def has_validation(self) -> bool:
         """Whether part of the training pool is held out for validation (`val_fraction` > 0)."""
-        return self.args.val_fraction > 0
+        return self.splits.has_validation
 
     def val_dataloader(self) -> DataLoader | list:
         if not self.has_validation:
@@ -709,7 +517,7 @@ class FederatedDataModule(LightningDataModule):
         """The global test split; with `personalized`, also every client's local test split."""
         global_test = DataLoader(FeatureBatches(self.args.batch_size, features=self.test_features,
                                                 labels=self.test_labels), batch_size=None)
-        if not self.args.personalized:
+        if not self.splits.personalized:
             return global_test
         local_test = DataLoader(FeatureBatches(self.args.batch_size, features=self.local_test_features,
                                                labels=self.local_test_labels,
