@@ -1,5 +1,5 @@
-"""What the engines' tests share: fits in two processes from the command line, and fits over
-Flower beside the same fit in process."""
+"""What the engines' tests share: fits in two processes from the command line, fits over Flower
+beside the same fit in process, and Flower's messages built as a server would."""
 from __future__ import annotations
 
 import contextlib
@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.conftest import ROOT, fit
@@ -148,3 +149,16 @@ def dropping_clients(dropped: dict[int, list[int]]) -> Iterator[None]:
         yield
     finally:
         LightningEngine._local_clients = own  # type: ignore[method-assign]
+
+
+@pytest.fixture
+def as_server(monkeypatch):
+    """Lets a test build instruction Messages outside a ServerApp (Flower reads the sender's ids);
+    the ClientApp's kept nodes start empty and are put back after the test (a grid swaps them)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from workbench.engines.flower import client_app
+
+    for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 0)):
+        monkeypatch.setattr(TaskIdentity, name, value, raising=False)
+    monkeypatch.setattr(client_app, "_nodes", {})

@@ -96,15 +96,6 @@ def test_a_half_keeps_every_buffer_and_parameter_through_a_record():
     assert torch.equal(record_views(record)["cache"], torch.ones(4))
 
 
-@pytest.fixture
-def as_server(monkeypatch):
-    """Lets a test build instruction Messages outside a ServerApp (Flower reads the sender's ids)."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 0)):
-        monkeypatch.setattr(TaskIdentity, name, value, raising=False)
-
-
 def fake_context(client: int, num_clients: int = 3) -> Context:
     return Context(run_id=1, node_id=100 + client, node_config={"partition-id": client, "num-partitions": num_clients},
                    state=RecordDict(), run_config={})

@@ -26,21 +26,8 @@ from workbench.federation import Federation
 from workbench.federation.local_training import LocalTraining
 from workbench.methods import AFL, AnaPFL, DeepAFL, FedAvg
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "as_server")
 QUICK = FlowerSettings(deadline_s=0.05)  # a silent node is given up after 50 ms
-
-
-@pytest.fixture(autouse=True)
-def as_server(monkeypatch):
-    """Instruction Messages built outside a ServerApp (Flower reads the sender's ids); the grid
-    swaps the ClientApp's kept nodes, put back after the test."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    from workbench.engines.flower import client_app
-
-    for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 0)):
-        monkeypatch.setattr(TaskIdentity, name, value, raising=False)
-    monkeypatch.setattr(client_app, "_nodes", {})
 
 
 class StagedGrid(LoopbackGrid):
