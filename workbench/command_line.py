@@ -80,7 +80,7 @@ def short_help(command: str, what: str) -> str:
         "  --ckpt_path FILE     resume a run",
         "  --trainer.KEY=VALUE  Lightning's Trainer", "",
         f"One method's settings:  {run} --model.help AFL",
-        f"The data's settings:    {run} --data.help FederatedDataModule",
+        f"The data's settings:    {run} --data.help FederatedDataModule  (sites with files of their own: SiteData)",
         f"A config in full:       {run} --config configs/demo.yaml --print_config",
         f"Every key (Lightning's parser, several hundred lines): {run} --help=full",
         "The methods and the configs that run them: python -m workbench list"])

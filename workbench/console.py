@@ -108,6 +108,8 @@ _WRONG_TYPE = re.compile(r"Parser key \"(model|data)\":.*?class_path '[\w.]+':\s
                          r"(?:\s*(?:Does not validate[^\n]*|Subtypes:[^\n]*|Errors:))*"
                          r"\s*(?:- )?Expected a (?:<class '(?:\w+\.)*(\w+)'>|typing\.Literal\[([^\]]*)\])", re.S)
 _GIVEN_VALUE = re.compile(r"(?:Got value|Given value): ([^\n]*)")
+_REQUIRED = re.compile(r"Parser key \"(model|data)\":.*?Problem with given class_path '([\w.]+)':\s*"
+                       r"the following arguments are required: ([\w., ]+)", re.S)
 #: how a type of the parser's messages reads in ours
 _KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
           "Sequence": "a list, e.g. [0.1, 1.0]", "list": "a list, e.g. [0.1, 1.0]", "dict": "a mapping"}
@@ -167,6 +169,12 @@ def condense_parse_error(message: str, choices: dict[str, list[str]], describe, 
             return (f"{class_path.rsplit('.', 1)[-1]} has no setting {name!r}"
                     + (f"; did you mean {close[0]!r}?" if close else "")
                     + f" Its settings: {', '.join(known)}")
+    required = _REQUIRED.search(message)
+    if required:
+        key, class_path, listed = required.groups()
+        settings = [name.strip() for name in listed.split(",") if name.strip()]
+        return (f"{class_path.rsplit('.', 1)[-1]} needs {', '.join(f'{key}.{name}' for name in settings)}: give "
+                + " ".join(f"--{key}.{name}=..." for name in settings))
     wrong = _WRONG_TYPE.search(message)
     if wrong:
         key, name, kind, allowed = wrong.groups()

@@ -43,7 +43,7 @@ from workbench import runlog
 from workbench.catalog import method_classes
 from workbench.command_line import CHECKPOINT_WORDS, config_files, missing_checkpoint, usage_line, yaml_error
 from workbench.console import DEBUG_ENV, condense_parse_error
-from workbench.data import FederatedDataModule
+from workbench.data import FederatedData
 from workbench.engines import LightningEngine
 from workbench.engines.ddp import end_processes
 from workbench.engines.flower_settings import FlowerSettings
@@ -241,7 +241,7 @@ class WorkbenchParser(LightningArgumentParser):
             super().error(message, ex)
         command = (getattr(ex, "subcommand_parser", None) or self).prog.split()[-1]
         command = command if command in ("fit", "validate", "test") else "<command>"
-        choices = {"model": [cls.__name__ for cls in method_classes()], "data": ["FederatedDataModule"]}
+        choices = {"model": [cls.__name__ for cls in method_classes()], "data": ["FederatedDataModule", "SiteData"]}
         if "<unicode string>" in message:
             message = yaml_error(*WorkbenchParser.given) or message
         print(f"{usage_line(command)}\n"
@@ -264,6 +264,8 @@ class WorkbenchCLI(LightningCLI):
         parser.set_defaults({"trainer." + k: v for k, v in self.trainer_defaults.items() if k != "callbacks"})
         parser.add_subclass_arguments(FederatedMethod, "model", fail_untyped=False, required=True)
         parser.add_lightning_class_args(self._datamodule_class, "data", subclass_mode=self.subclass_mode_data)
+        # `data:` is any FederatedData; without a class_path, `--data.KEY` settings are FederatedDataModule's
+        parser.set_defaults({"data": {"class_path": "workbench.data.FederatedDataModule"}})
 
     def instantiate_classes(self) -> None:
         missing = missing_checkpoint(self._get(self.config, "ckpt_path"))
@@ -283,7 +285,9 @@ class WorkbenchCLI(LightningCLI):
             # stopping rule against it: an error there stops the run before its folder and W&B run
             # exist; the other processes of a fit read the cache later
             self.datamodule.setup()
-            self.model.check_data(self.datamodule, fitting=self.subcommand == "fit")
+            if not (self.datamodule.learns_from_nodes and self._get(self.config, "engine") == "flower"):
+                # (cross-silo sites: checked once the fit's SuperNodes told their sizes)
+                self.model.check_data(self.datamodule, fitting=self.subcommand == "fit")
             self._check_checkpoint()
         self.trainer = self.instantiate_trainer()
 
@@ -372,7 +376,7 @@ class WorkbenchCLI(LightningCLI):
 
     def before_validate(self) -> None:
         log_hparams(self.trainer, self.model, self.datamodule, self._get(self.config, "engine"))
-        if self.datamodule.hparams.val_fraction == 0:
+        if not self.datamodule.has_validation:
             raise ValueError("there is no validation split to validate on: set data.val_fraction "
                              "(e.g. 0.1) to hold out part of the training pool, or run `test`")
 
@@ -434,6 +438,7 @@ QUIET_WARNINGS = (
     ".*no `val_dataloader`",  # validation is `validate`'s business (data.val_fraction), not fit's
     ".*isinstance\\(treespec, LeafSpec\\)` is deprecated",  # Lightning's own use of a torch API, not ours
     ".*LightningCLI's args parameter is intended",  # run(args) from Python: sys.argv is the caller's
+    ".*Total length of `list` across ranks is zero",  # no test split (sites keeping their rows): the summary says so
 )
 QUIET_LOGS = (
     "Tip:",  # advertisements for Lightning's cloud
@@ -460,7 +465,7 @@ def run(args: list[str] | None = None) -> WorkbenchCLI:
     runlog.claimed = None
     try:
         return WorkbenchCLI(
-            LightningEngine, FederatedDataModule, parser_class=WorkbenchParser,
+            LightningEngine, FederatedData, parser_class=WorkbenchParser,
             subclass_mode_model=True, subclass_mode_data=True,
             auto_configure_optimizers=False,
             save_config_kwargs={"overwrite": True},

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from lightning import LightningDataModule
 from lightning.fabric.utilities.data import AttributeDict
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
+from workbench.data.federated import FeatureBatches, FederatedData
 from workbench.data.hf import OwnData, own_modality
 from workbench.data.population import Population, Rows
 from workbench.data.settings import PARTITION_PARAMS as PARTITION_PARAMS  # (the catalog lists the schemes)
@@ -53,22 +53,7 @@ class SyntheticBlobs:
         return (*draw(self.train_size), *draw(self.test_size))
 
 
-class FeatureBatches(Dataset):
-    """Contiguous slices of in-memory tensors; one item is one whole batch (no per-sample collate)."""
-
-    def __init__(self, batch_size: int, **tensors: Tensor) -> None:
-        self.tensors, self.batch_size = tensors, batch_size
-        self.length = len(next(iter(tensors.values())))
-
-    def __len__(self) -> int:
-        return -(-self.length // self.batch_size)
-
-    def __getitem__(self, index: int) -> dict[str, Tensor]:
-        window = slice(index * self.batch_size, (index + 1) * self.batch_size)
-        return {name: t[window] for name, t in self.tensors.items()}
-
-
-class FederatedDataModule(LightningDataModule):
+class FederatedDataModule(FederatedData):
     """Cached frozen-backbone features of a dataset, partitioned across clients.
 
     The training rows (`train_features`, `train_labels`, `train_client_ids`) are ordered by
@@ -495,13 +480,6 @@ class FederatedDataModule(LightningDataModule):
         return load_dataset(source.dataset, data_dir=source.data_dir, download=source.download)
 
     # ---- loaders ----------------------------------------------------------------------------
-    def train_dataloader(self) -> DataLoader:
-        """One item per epoch: an epoch is one communication round, and the engine reads the
-        clients' training rows itself, through the data's `population()` (ordered by client),
-        whole clients per process."""
-        # a list is a map-style dataset (__getitem__ and __len__), which the stubs do not accept
-        return DataLoader([{"round": torch.zeros((), dtype=torch.long)}], batch_size=None)  # type: ignore[arg-type]
-
     @property
     def has_validation(self) -> bool:
         """Whether part of the training pool is held out for validation (`val_fraction` > 0)."""

@@ -440,7 +440,8 @@ class LightningEngine(LightningModule):
         for split, key, cache, wanted in (("test", "round/test_acc", "test", test),
                                           ("val", "round/val_acc", "curve_val", True)):
             rows = data.split(SPLITS[split])
-            if wanted and key not in point and method.global_model and method.has_model and rows is not None:
+            if (wanted and key not in point and method.global_model and method.has_model and rows is not None
+                    and len(rows) > 0):  # (cross-silo sites may have no test split)
                 point[key] = method.accuracy(self._curve_inputs(rows.features), rows.labels.to(self.device), name=cache)
         if test and personal and data.local_test is not None:
             local_mean = self.personal_accuracy()
@@ -512,6 +513,8 @@ class LightningEngine(LightningModule):
     def _log_steps(self) -> None:
         """The method's metrics against its own steps (`step_metrics`)."""
         test = self.population.test
+        if not len(test):  # no test split (cross-silo sites without the server's own rows)
+            return
         labels = test.labels.to(self.device)
         features = self._inputs(test.features.to(self.device))  # as the test pass's
         for step, metrics in self.method.step_metrics(features, labels, self.fit_metrics):

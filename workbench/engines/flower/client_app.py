@@ -14,7 +14,8 @@ process per message) starts from a fresh half and restores the saved one. The da
 set up once per process and reused.
 
 Message types (content records in quotes; "round" always holds the session and the spec's digest):
-- `query`: "spec"; which client this node is and how many training and local test rows it holds;
+- `query`: "spec"; which client this node is, how many training and local test rows it holds and
+  their width (and a site's data-path: `SiteData`);
 - `train`: one round: "broadcast" (the plan's broadcast), "round" (round index, whether
   this client's upload is lost, the secure aggregation settings as JSON or "", client-level DP's
   clip norm or -1); the client runs the protocol's client step (`workbench.federation.client_step`,
@@ -45,6 +46,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from workbench.data.population import ClientData
+from workbench.data.sites import SiteData
 from workbench.engines.flower.spec import (
     RunSpec,
     flag,
@@ -114,10 +116,11 @@ class NodeData:
 _datamodules: dict[tuple[str, str], Any] = {}  # (data class, args) -> its data module, one per process
 
 
-def client_data(spec: RunSpec, client: int, num_partitions: int) -> NodeData:
+def client_data(spec: RunSpec, client: int, num_partitions: int, path: str | None = None) -> NodeData:
     """Client `client`'s share of the spec's data, built for that client alone where the data
     allows (`FederatedDataModule.population(client)`: backbone features read or extracted for its
-    rows only); the data module is kept per process, for the other nodes a process serves."""
+    rows only), or read from the node's own file (`path`, its node config's data-path: `SiteData`,
+    a cross-silo site); the data module is kept per process, for the other nodes a process serves."""
     key = (spec.data, spec.data_args)
     if key not in _datamodules:
         _datamodules.clear()
@@ -128,12 +131,21 @@ def client_data(spec: RunSpec, client: int, num_partitions: int) -> NodeData:
                          f"run's data has num_clients = {datamodule.num_clients}: start one SuperNode per client")
     if not 0 <= client < num_partitions:
         raise ValueError(f"partition-id {client} is outside [0, {num_partitions})")
-    data = datamodule.population(client)
+    if isinstance(datamodule, SiteData):
+        data = datamodule.population(client, path=path)
+    elif path is not None:
+        raise ValueError(f"the node config names data-path {path}, and the run's data ({spec.data}) is one dataset "
+                         "the server's settings partition: fit with data SiteData for sites that hold their own "
+                         "files, or drop data-path")
+    else:
+        data = datamodule.population(client)
     return NodeData(data.client(client), Problem.of(data), data.batch_size)  # (the data's tail too)
 
 
 def _node_data(spec: RunSpec, context: Context) -> NodeData:
-    return client_data(spec, int(context.node_config["partition-id"]), int(context.node_config["num-partitions"]))
+    path = context.node_config.get("data-path")
+    return client_data(spec, int(context.node_config["partition-id"]), int(context.node_config["num-partitions"]),
+                       None if path is None else str(path))
 
 
 @dataclasses.dataclass
@@ -279,7 +291,11 @@ def introduce(message: Message, context: Context) -> tuple[RecordDict, int]:
         context.state[NODE_KEY] = ConfigRecord({**dataclasses.asdict(spec), "digest": spec.digest,
                                                 "session": session})
     tests = 0 if data.share.local_test is None else len(data.share.local_test)
-    return RecordDict({"report": _report(num_samples=len(data.share.train), num_local_test=tests)}), data.client
+    content = RecordDict({"report": _report(num_samples=len(data.share.train), num_local_test=tests,
+                                            feature_dim=data.problem.feature_dim)})
+    if "data-path" in context.node_config:  # a site: its file, named to the server only in its errors
+        content["site"] = ConfigRecord({"data-path": str(context.node_config["data-path"])})
+    return content, data.client
 
 
 @app.train()

@@ -6,7 +6,8 @@ trials, the deployment tests and benchmarks (a real one spans machines: docs/eng
 
 `isolation="process"` starts each SuperNode with `--isolation process` beside the workbench's
 long-lived ClientApp (`python -m workbench.engines.flower.node`), which leaves with its SuperNode;
-`"subprocess"` is Flower's default, a ClientApp process per message. Insecure (no TLS: loopback
+`"subprocess"` is Flower's default, a ClientApp process per message. `node_config` adds string
+entries to partition k's node config (a cross-silo site's `data-path`). Insecure (no TLS: loopback
 only). Flower's files and `config.toml` (connection `local`) go to `home`, each process's output
 to `home/logs/<name>.log`; the processes run in sessions of their own and `stop` ends them.
 """
@@ -18,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -37,10 +38,11 @@ class LocalDeployment:
     """SuperLink and SuperNodes on 127.0.0.1 (free ports), their Flower files under `home`."""
 
     def __init__(self, home: str | Path, clients: int, isolation: Literal["process", "subprocess"] = "process",
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, node_config: Mapping[int, Mapping[str, str]] | None = None) -> None:
         if isolation not in ("process", "subprocess"):
             raise ValueError(f"isolation must be 'process' or 'subprocess', got {isolation!r}")
         self.home, self.clients, self.isolation = Path(home), clients, isolation
+        self.node_config = {k: dict(entries) for k, entries in (node_config or {}).items()}  # partition k's own entries
         self.logs = self.home / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, "FLWR_HOME": str(self.home), "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
@@ -78,7 +80,8 @@ class LocalDeployment:
         supernode = self._start(f"supernode{partition}", [
             BIN / "flower-supernode", "--insecure", "--isolation", self.isolation,
             "--superlink", f"127.0.0.1:{self.port}", "--port", str(runtime),
-            "--node-config", f"partition-id={partition} num-partitions={self.clients}"])
+            "--node-config", " ".join([f"partition-id={partition} num-partitions={self.clients}", *(
+                f'{key}="{value}"' for key, value in self.node_config.get(partition, {}).items())])])  # (TOML strings)
         client_app = None
         if self.isolation == "process":
             client_app = self._start(f"clientapp{partition}", [

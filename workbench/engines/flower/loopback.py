@@ -12,12 +12,14 @@ pulled, as on a SuperLink. What a real federation does to a server can be staged
 - `lose(node)`: Flower reports the node gone (its heartbeats stopped): an error reply;
 - `join(partition)`: a new SuperNode (a restarted one) connects and holds that partition.
 
+`node_config` adds entries to partition k's node config (a site's `data-path`, say).
+
 A handler that raises is answered by an error reply naming the exception, as Flower's ClientApp is.
 """
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
@@ -31,8 +33,10 @@ class LoopbackGrid:
     """K SuperNodes in this process, node ids 100 + k holding partition k."""
 
     def __init__(self, num_clients: int, *, processes: int = 1,
-                 process_of: Callable[[int, int], int] | None = None) -> None:
+                 process_of: Callable[[int, int], int] | None = None,
+                 node_config: Mapping[int, Mapping[str, str]] | None = None) -> None:
         self.num_clients = num_clients
+        self.node_config = {k: dict(entries) for k, entries in (node_config or {}).items()}
         self.contexts: dict[int, Context] = {}
         for partition in range(num_clients):
             self.join(partition, FIRST_NODE + partition)
@@ -50,7 +54,8 @@ class LoopbackGrid:
         """A SuperNode holding `partition` connects (a fresh one: empty state); its node id."""
         node = node if node is not None else max(self.contexts, default=FIRST_NODE - 1) + 1
         self.contexts[node] = Context(run_id=1, node_id=node, state=RecordDict(), run_config={},
-                                      node_config={"partition-id": partition, "num-partitions": self.num_clients})
+                                      node_config={"partition-id": partition, "num-partitions": self.num_clients,
+                                                   **self.node_config.get(partition, {})})
         return node
 
     def silence(self, node: int) -> None:

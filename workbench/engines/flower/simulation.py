@@ -50,6 +50,8 @@ def fit_over_grid(grid: Grid, trainer: Trainer, engine: LightningEngine, datamod
         raise ValueError("the Flower engine runs the server in one process: set trainer.devices=1")
     clients = FlowerClients(grid, engine.method, datamodule, settings, engine.pipeline)
     engine.remote_clients, engine.clients = clients, None  # the engine's clients for this run: the nodes
+    if datamodule.learns_from_nodes:  # cross-silo sites: the method and protocol checked against what they told
+        engine.check_data(datamodule, fitting=True)
     log_traffic = LogTraffic(clients.traffic)
     trainer.callbacks.append(log_traffic)  # type: ignore[attr-defined]  # Lightning sets it at run time
     run = FlowerRun(clients.traffic)
@@ -112,6 +114,10 @@ def fit(trainer: Trainer, engine: LightningEngine, datamodule, *, test: bool = T
     datamodule.setup("fit")  # before any client: fills the feature cache the clients then read
     settings = settings or FlowerSettings()
     grid = DEPLOYED_GRID.get()
+    if grid is None and datamodule.learns_from_nodes:
+        raise ValueError("the sites' files are on their own SuperNodes (data SiteData without data.sites), and a "
+                         "simulation starts nodes without files: fit on a deployment (docs/engines.md, "
+                         "cross-silo), or list the files in data.sites to simulate the sites")
     if grid is not None:
         run = fit_over_grid(grid, trainer, engine, datamodule, test=test, settings=settings, **fit_args)
     else:

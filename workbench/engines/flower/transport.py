@@ -24,6 +24,7 @@ from lightning import Callback
 from torch import Tensor
 
 from workbench.data.population import population_of
+from workbench.data.sites import SiteData, check_widths
 from workbench.engines.flower.spec import RunSpec, from_record, number, numbers, text, to_record
 from workbench.engines.flower_settings import FlowerSettings
 from workbench.engines.round import Replies, RoundRequest, add_metrics
@@ -113,15 +114,17 @@ class FlowerClients:
         datamodule.setup("fit")
         self.grid: Grid | None = grid
         self.method = method
-        population = population_of(datamodule)
+        # cross-silo sites (SiteData without files here): the server learns their sizes from the nodes
+        self.sites = isinstance(datamodule, SiteData) and datamodule.learns_from_nodes
         self.settings = settings or FlowerSettings()
         self.protocol = pipeline.node_settings()  # what the nodes run of the fit's protocol from the start
         self.spec = RunSpec.of(method, datamodule, self.protocol)
         self.digest = self.spec.digest
         self.session = uuid.uuid4().hex  # the nodes' kept state belongs to this fit
         self.traffic = FlowerTraffic()
-        self.samples = population.rows_per_client()
-        self.local_tests = population.local_test is not None  # the clients score their own local tests
+        self.samples: Tensor | None = None if self.sites else population_of(datamodule).rows_per_client()
+        # a site's node's introduction: client -> (its training rows, their width, "SuperNode n, its file")
+        self.told: dict[int, tuple[int, int, str]] = {}
         self.nodes: dict[int, int] = {}  # client -> the SuperNode serving it
         self.away: dict[int, str] = {}  # client -> why it has no reachable node
         self.spares: dict[int, int] = {}  # an introduced node serving no one yet -> the client it holds
@@ -129,12 +132,18 @@ class FlowerClients:
         self._introducing: dict[str, int] = {}  # newcomers' introductions not answered yet: message id -> node
         self._late: dict[str, int] = {}  # messages past their deadline whose reply may still come: id -> node
         self._rejoined: dict[int, bool] = {}  # client served again -> whether its state starts afresh
-        nodes = wait_for_nodes(grid, population.num_clients, self.settings.connect_s)
+        nodes = wait_for_nodes(grid, datamodule.num_clients, self.settings.connect_s)
         holders, missing = self._introductions(nodes)
         if missing:
             raise RuntimeError(f"SuperNodes {sorted(missing)} did not answer the fit's first message: "
                                + "; ".join(sorted(set(missing.values()))))
         self.nodes = {client: node for node, client in holders.items()}
+        if self.sites:  # every site's rows and their width, as the nodes told them
+            check_widths({where: width for _, width, where in self.told.values()})
+            datamodule.learn([self.told[k][0] for k in range(datamodule.num_clients)], self.told[0][1])
+        population = population_of(datamodule)
+        self.samples = population.rows_per_client()
+        self.local_tests = population.local_test is not None  # the clients score their own local tests
 
     # ---- messages -----------------------------------------------------------------------------
     def _grid(self) -> Grid:
@@ -255,7 +264,8 @@ class FlowerClients:
     def _holders(self, replies: Mapping[int, RecordDict]) -> tuple[dict[int, int], list[str]]:
         """({node: the client it holds}, why each other node was refused) from the nodes' answers to
         their introduction; each must hold the `samples[k]` training samples the server's copy of
-        the data gives its client k, and no two of them the same client."""
+        the data gives its client k (sites: what they told when introduced first, `told`), and
+        no two of them the same client."""
         holders: dict[int, int] = {}
         refused: list[str] = []
         for node, reply in sorted(replies.items()):
@@ -266,12 +276,17 @@ class FlowerClients:
                 other = next(n for n, c in holders.items() if c == client)
                 refused.append(f"SuperNodes {other} and {node} both hold partition-id {client}: "
                                "give each SuperNode its own")
-            elif held != int(self.samples[client]):
-                refused.append(f"SuperNode {node} holds {held} training samples of client {client} but the "
-                               f"server's data gives it {int(self.samples[client])}: the machines load different "
-                               "data")
+            elif self.samples is not None and held != int(self.samples[client]):
+                expected = int(self.samples[client])
+                refused.append(f"SuperNode {node} holds {held} training samples of client {client} but "
+                               + (f"the site held {expected} when the fit began: its file changed" if self.sites else
+                                  f"the server's data gives it {expected}: the machines load different data"))
             else:
                 holders[node] = client
+                if self.samples is None:
+                    site = reply.config_records.get("site")
+                    where = f"SuperNode {node}" + (f", {text(site, 'data-path')}" if site is not None else "")
+                    self.told[client] = (held, int(number(report, "feature_dim")), where)
         return holders, refused
 
     def _admit(self) -> None:
