@@ -44,6 +44,7 @@ from workbench.catalog import method_classes
 from workbench.command_line import CHECKPOINT_WORDS, config_files, missing_checkpoint, usage_line, yaml_error
 from workbench.console import DEBUG_ENV, condense_parse_error
 from workbench.data import FederatedData
+from workbench.data.sites import NOT_HERE
 from workbench.engines import LightningEngine
 from workbench.engines.ddp import end_processes
 from workbench.engines.flower_settings import FlowerSettings
@@ -285,9 +286,11 @@ class WorkbenchCLI(LightningCLI):
             # stopping rule against it: an error there stops the run before its folder and W&B run
             # exist; the other processes of a fit read the cache later
             self.datamodule.setup()
-            if not (self.datamodule.learns_from_nodes and self._get(self.config, "engine") == "flower"):
-                # (cross-silo sites: checked once the fit's SuperNodes told their sizes)
+            if not (self.datamodule.learns_from_nodes and self.subcommand == "fit"):
                 self.model.check_data(self.datamodule, fitting=self.subcommand == "fit")
+            elif self._get(self.config, "engine") != "flower":
+                raise ValueError(NOT_HERE)
+            # (else cross-silo sites: checked once the fit's SuperNodes told their sizes)
             self._check_checkpoint()
         self.trainer = self.instantiate_trainer()
 

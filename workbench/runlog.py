@@ -307,7 +307,7 @@ def print_summary(trainer, engine, checkpoint: Path | None = None,
     lines = [
         f"method            {type(method).__name__}",
         f"test accuracy     {metrics['test/acc']:.4f}" if "test/acc" in metrics else
-        "test accuracy     — (none scored: no test split)",
+        "test accuracy     —",
         *([f"local accuracy    {metrics['test/acc_local_mean']:.4f} mean over clients, "
            f"{metrics['test/acc_local_min']:.4f} worst"] if "test/acc_local_mean" in metrics else []),
         f"rounds            {method.round}",

@@ -3,13 +3,15 @@ every bad file one error naming the file; `SiteData` in one process is the sites
 order, and a deployed server holds their shapes only."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
 import torch
 
 from workbench.data import SiteData
-from workbench.data.sites import SiteFileError, read_site
+from workbench.data.sites import ImageBackbone, SiteFileError, read_site
 
 ROWS = 7
 
@@ -60,7 +62,7 @@ def test_every_kind_of_site_file_reads_as_the_same_rows(tmp_path, suffix, layout
     ("width", "holds 5 features a row, and the federation's rows have 4 (data.feature_dim)"),
     ("label", "rows hold labels outside 0..2 (e.g. 3), and the federation declares 3 classes"),
     ("garbage", "cannot be read as CSV"),
-    ("missing", "does not exist: point the node's data-path at its own file"),
+    ("missing", "does not exist: point it (a node's data-path, data.sites or data.test_path) at the site's own"),
     ("empty", "holds no rows"),
     ("no label", "has no column 'label'"),
     ("text", "every column but 'label' is a feature and must hold numbers; f1 does not"),
@@ -101,7 +103,7 @@ def test_site_data_in_one_process_is_the_sites_rows_in_client_order(tmp_path):
     parts = [rows(seed, n, classes=classes) for seed, n, classes in shapes]
     paths = [str(write(tmp_path / f"site{k}.csv", *part)) for k, part in enumerate(parts)]
     test = write(tmp_path / "server.csv", *rows(9, 4))
-    data = SiteData(num_clients=3, num_classes=3, sites=paths, test_path=str(test))
+    data = SiteData(num_sites=3, num_classes=3, sites=paths, test_path=str(test))
     population = data.population()
     torch.testing.assert_close(population.train.features, torch.from_numpy(np.concatenate([f for f, _ in parts])))
     assert population.client_ids.tolist() == [0] * 7 + [1] * 3 + [2] * 5
@@ -115,7 +117,7 @@ def test_site_data_in_one_process_is_the_sites_rows_in_client_order(tmp_path):
 
 def test_a_node_reads_its_file_again_once_it_changed(tmp_path):
     path = write(tmp_path / "site.csv", *rows(0, n=5))
-    data = SiteData(num_clients=2, num_classes=3)
+    data = SiteData(num_sites=2, num_classes=3)
     first = data.population(1, path=path)
     assert data.population(1, path=path) is first  # (its introduction, then its first round: read once)
     write(path, *rows(1, n=8))  # the site's next fit, in the same long-lived node process
@@ -125,11 +127,11 @@ def test_a_node_reads_its_file_again_once_it_changed(tmp_path):
 def test_the_sites_must_agree_on_their_width(tmp_path):
     paths = [str(write(tmp_path / f"site{k}.csv", *rows(k, width=4 + (k == 1)))) for k in range(3)]
     with pytest.raises(ValueError, match=r"differ in width .*site 1 \(.*site1.csv\): 5"):
-        SiteData(num_clients=3, num_classes=3, sites=paths).setup()
+        SiteData(num_sites=3, num_classes=3, sites=paths).setup()
 
 
 def test_a_deployed_server_holds_the_sites_shapes_only(tmp_path):
-    data = SiteData(num_clients=3, num_classes=3)
+    data = SiteData(num_sites=3, num_classes=3)
     with pytest.raises(ValueError, match=r"on their SuperNodes.*--engine=flower on a deployment"):
         data.population()
     with pytest.raises(ValueError, match="site 1 has no file: start its SuperNode with data-path"):
@@ -140,18 +142,20 @@ def test_a_deployed_server_holds_the_sites_shapes_only(tmp_path):
     assert population.train.features.is_meta and population.train.labels.is_meta  # no values to read by mistake
     assert len(population.test) == 0
     with pytest.raises(ValueError, match=r"data\.feature_dim = 5"):
-        SiteData(num_clients=3, num_classes=3, feature_dim=5).learn([1, 1, 1], feature_dim=6)
+        SiteData(num_sites=3, num_classes=3, feature_dim=5).learn([1, 1, 1], feature_dim=6)
 
 
 @pytest.mark.parametrize("settings, says", [
-    ({"num_clients": 0}, "data.num_clients must be ≥ 1"),
+    ({"num_sites": 0}, "data.num_sites must be ≥ 1"),
     ({"num_classes": 1}, "data.num_classes must be ≥ 2"),
-    ({"sites": ["a.csv"]}, "data.sites lists 1 files for data.num_clients = 3"),
+    ({"sites": ["a.csv"]}, "data.sites lists 1 files for data.num_sites = 3"),
+    ({"image_backbone": ImageBackbone("all_minilm_l6_v2")}, "data.image_backbone.name 'all_minilm_l6_v2' is not"),
+    ({"class_names": ["a", "b"]}, "data.class_names names 2 classes for data.num_classes = 3"),
     ({"feature_dim": 0}, "data.feature_dim must be ≥ 1"),
 ])
 def test_site_data_settings_are_checked(settings, says):
     with pytest.raises(ValueError, match=says.replace("(", r"\(")):
-        SiteData(**{"num_clients": 3, "num_classes": 3, **settings})
+        SiteData(**{"num_sites": 3, "num_classes": 3, **settings})
 
 
 def image_folder(root, classes: dict[str, int], seed: int = 0):
@@ -174,8 +178,8 @@ def test_a_site_folder_of_images_is_its_backbone_features_labelled_by_the_class_
 
     names = ["cat", "dog", "owl"]
     folders = [image_folder(tmp_path / "a", {"owl": 2, "cat": 3}), image_folder(tmp_path / "b", {"dog": 2}, 1)]
-    data = SiteData(num_clients=2, num_classes=3, class_names=names, sites=[str(f) for f in folders],
-                    image_backbone="efficientnet_lite0", input_size=32, device="cpu")
+    data = SiteData(num_sites=2, num_classes=3, class_names=names, sites=[str(f) for f in folders],
+                    image_backbone=ImageBackbone("efficientnet_lite0", input_size=32, device="cpu"))
     population = data.population()
     # site a lacks dog, site b has only dog: the labels are the declared names' indices at every site
     assert population.train.labels.tolist() == [0, 0, 0, 2, 2, 1, 1]
@@ -200,9 +204,9 @@ def test_a_bad_site_folder_is_one_line_naming_it(tmp_path, damage, says):
         (folder / "cat" / "0.png").write_bytes(b"not a png")
     elif damage == "empty":
         (folder / "cat" / "0.png").unlink()
-    backbone = None if damage == "no backbone" else "efficientnet_lite0"
-    data = SiteData(num_clients=1, num_classes=2, class_names=["cat", "dog"], sites=[str(folder)],
-                    image_backbone=backbone, input_size=32, device="cpu")
+    backbone = None if damage == "no backbone" else ImageBackbone(input_size=32, device="cpu")
+    data = SiteData(num_sites=1, num_classes=2, class_names=["cat", "dog"], sites=[str(folder)],
+                    image_backbone=backbone)
     with pytest.raises(SiteFileError, match=says) as caught:
         data.setup()
     assert str(folder) in str(caught.value) and "\n" not in str(caught.value)
@@ -212,13 +216,53 @@ def test_the_command_line_fits_listed_sites_and_says_what_a_deployment_needs(tmp
     from workbench.__main__ import main
 
     paths = [str(write(tmp_path / f"site{k}.csv", *rows(k, n=6 + k))) for k in range(3)]
-    common = ["fit", "--model=AFL", "--data=SiteData", "--wandb=disabled", "--trainer.enable_progress_bar=false",
-              f"--run_dir={tmp_path / 'runs'}"]
-    assert main([*common, "--data.num_clients=3", "--data.num_classes=3", f"--data.sites=[{','.join(paths)}]"]) == 0
-    out = capsys.readouterr().out
-    assert "test accuracy     — (none scored: no test split)" in out and "runs/afl-sites-sites-k3" in out
+    test = str(write(tmp_path / "server.csv", *rows(7, n=9)))
+    common = ["--model=AFL", "--data=SiteData", "--wandb=disabled", "--trainer.enable_progress_bar=false",
+              f"--run_dir={tmp_path / 'runs'}", "--data.num_sites=3", "--data.num_classes=3"]
+    assert main(["fit", *common, f"--data.sites=[{','.join(paths)}]"]) == 0
+    assert "test accuracy     —" in capsys.readouterr().out  # no test split
     # without the files, the sites' rows are on their SuperNodes: no fit in this process
-    assert main([*common, "--data.num_clients=3", "--data.num_classes=3"]) == 2
+    assert main(["fit", *common]) == 2
     assert "on their SuperNodes: the server learns their sizes" in capsys.readouterr().err
-    assert main([*common, "--data.num_clients=3"]) == 2
+    # ... but the deployment's config with rows of the server's own tests a model fitted on them
+    model = next((tmp_path / "runs").glob("*/version_0/model.ckpt"))
+    assert main(["test", *common, f"--data.test_path={test}", f"--ckpt_path={model}"]) == 0
+    assert "test/acc" in capsys.readouterr().out  # (Lightning's table of the server's 9 rows)
+    assert main(["fit", "--model=AFL", "--data=SiteData", "--data.num_sites=3"]) == 2
     assert "error: SiteData needs data.num_classes: give --data.num_classes=..." in capsys.readouterr().err
+
+
+def test_a_resumed_fit_is_refused_when_a_site_changed_and_the_test_rows_must_be_the_sites_kind(tmp_path):
+    from workbench.engines.lightning import check_checkpoint_matches
+
+    paths = [str(write(tmp_path / f"site{k}.csv", *rows(k, n=6 + k))) for k in range(3)]
+    before = SiteData(num_sites=3, num_classes=3, sites=paths)
+    before.setup()
+    assert before.identity()["site_rows"] == [6, 7, 8]
+    write(Path(paths[1]), *rows(1, n=5))
+    after = SiteData(num_sites=3, num_classes=3, sites=paths)
+    after.setup()
+    saved = {"method": "AFL", "data": before.identity()}
+    with pytest.raises(ValueError, match=r"data.site_rows: checkpoint \[6, 7, 8\], config \[6, 5, 8\]"):
+        check_checkpoint_matches(saved, {**saved, "engine": "lightning", "settings": {}, "problem": None,
+                                         "stages": [], "data": after.identity()}, resuming=True)
+    # a deployed server knows no row counts before its nodes tell them: nothing to compare yet
+    assert "site_rows" not in SiteData(num_sites=3, num_classes=3).identity()
+    wide = write(tmp_path / "wide.csv", *rows(9, width=6))
+    with pytest.raises(ValueError, match=r"data.test_path .*wide.csv holds 6 features a row, and the sites' rows "
+                                         r"have 4"):
+        SiteData(num_sites=3, num_classes=3, sites=paths, test_path=str(wide)).setup()
+
+
+def test_a_json_site_is_json_lines_or_one_array_and_csv_holds_no_vectors(tmp_path):
+    features, labels = rows()
+    frame = pd.DataFrame({"features": list(features.tolist()), "label": labels})
+    frame.to_json(tmp_path / "array.json", orient="records")
+    frame.to_json(tmp_path / "lines.json", orient="records", lines=True)
+    for name in ("array.json", "lines.json"):
+        read = read_site(tmp_path / name, 3, feature_column="features")
+        torch.testing.assert_close(read.features, torch.from_numpy(features))
+    frame.to_csv(tmp_path / "vectors.csv", index=False)
+    with pytest.raises(SiteFileError, match=r"column 'features' holds text, not lists of numbers .*save the site as "
+                                            r"parquet or JSON lines"):
+        read_site(tmp_path / "vectors.csv", 3, feature_column="features")

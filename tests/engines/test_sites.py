@@ -3,8 +3,8 @@ config, and nothing else; the server learns the sites' sizes and width from thei
 and reads no rows. The fit equals the fit in one process on the union of the files; a bad file
 stops the fit before any round, in one line naming its node and its file.
 
-The nodes live in this process (`LoopbackGrid`); tests/engines/test_deployment.py runs sites on
-a real deployment."""
+The nodes live in this process (`LoopbackGrid`); tests/engines/test_sites_deployment.py runs
+sites on a real deployment."""
 from __future__ import annotations
 
 import json
@@ -45,7 +45,7 @@ def site_files(folder, widths=(WIDTH,) * 3) -> list[str]:
 
 
 def fit_in_process(method, paths):
-    data = SiteData(num_clients=3, num_classes=3, sites=paths, feature_column="features")
+    data = SiteData(num_sites=3, num_classes=3, sites=paths, feature_column="features")
     engine = LightningEngine(method)
     data.setup()
     engine.check_data(data, fitting=True)
@@ -56,7 +56,7 @@ def fit_in_process(method, paths):
 def fit_on_sites(method, paths, **settings):
     """The fit with each loopback SuperNode holding site k's file, the server none."""
     grid = LoopbackGrid(3, node_config={k: {"data-path": path} for k, path in enumerate(paths)})
-    data = SiteData(num_clients=3, num_classes=3, feature_column="features", **settings)
+    data = SiteData(num_sites=3, num_classes=3, feature_column="features", **settings)
     engine = LightningEngine(method)
     fit_over_grid(grid, quiet_trainer(), engine, data, test=False, settings=FlowerSettings(deadline_s=30))
     return method, grid
@@ -117,7 +117,7 @@ def test_a_bad_site_file_stops_the_fit_before_any_round_naming_its_node_and_file
         with open(paths[1], "r+b") as file:
             file.write(b"\x00" * 64)
     grid = LoopbackGrid(3, node_config={k: {"data-path": path} for k, path in enumerate(paths)})
-    data = SiteData(num_clients=3, num_classes=3, feature_column="features",
+    data = SiteData(num_sites=3, num_classes=3, feature_column="features",
                     feature_dim=WIDTH if damage == "declared width" else None)
     with pytest.raises((ValueError, RuntimeError), match=says) as caught:
         fit_over_grid(grid, quiet_trainer(), LightningEngine(fedavg()), data, test=False)
@@ -133,8 +133,8 @@ def test_a_site_without_a_file_and_a_file_for_partitioned_data_are_refused(tmp_p
     with pytest.raises(RuntimeError, match=r"SuperNode 102 failed.*site 2 has no file: start its SuperNode with "
                                            r"data-path in its node config"):
         fit_over_grid(grid, quiet_trainer(), LightningEngine(fedavg()),
-                      SiteData(num_clients=3, num_classes=3, feature_column="features"))
+                      SiteData(num_sites=3, num_classes=3, feature_column="features"))
     grid = LoopbackGrid(3, node_config={1: {"data-path": str(tmp_path / "b.parquet")}})
-    with pytest.raises(RuntimeError, match="SuperNode 101 failed.*names data-path .*b.parquet, and the run's data "
-                                           r"\(FederatedDataModule\) is one dataset"):
+    with pytest.raises(RuntimeError, match=r"SuperNode 101 failed \(query\): ValueError: the node config names "
+                                           r"data-path .*b.parquet, and this data is one dataset"):
         fit_over_grid(grid, quiet_trainer(), LightningEngine(fedavg()), three_clients())

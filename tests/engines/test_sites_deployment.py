@@ -42,7 +42,7 @@ def test_sites_holding_their_own_files_fit_the_model_of_their_union(tmp_path):
     if shutil.which("flower-superlink", path=str(BIN)) is None:
         pytest.skip("flower-superlink is not in this venv: pip install -e '.[flower]'")
     paths = site_files(tmp_path)
-    data = ["--data=SiteData", "--data.num_clients=3", "--data.num_classes=3", "--data.feature_column=features",
+    data = ["--data=SiteData", "--data.num_sites=3", "--data.num_classes=3", "--data.feature_column=features",
             "--wandb=disabled", "--trainer.enable_progress_bar=false"]
     federation = LocalDeployment(tmp_path / "flower", 3, isolation="process",
                                  env={"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"},

@@ -247,7 +247,7 @@ class FederatedDataModule(FederatedData):
         """Short labels of this data setup, for run names, tags and tables."""
         return {**self.source.describe(), **self.partitioning.describe()}
 
-    def population(self, client: int | None = None) -> Population:
+    def population(self, client: int | None = None, path: str | None = None) -> Population:
         """This data across the boundary (`workbench.data.population`): the splits' own tensors,
         K, the classes, the tail, the settings that decide the rows and their short labels.
 
@@ -258,6 +258,10 @@ class FederatedDataModule(FederatedData):
         features) is loaded whole, `standardize` needs every client's sums, and a process asked
         for a second client (one serving several nodes) loads once: those set up the whole data.
         """
+        if path is not None:
+            raise ValueError(f"the node config names data-path {path}, and this data is one dataset the server's "
+                             "settings partition: fit with data SiteData for sites that hold their own files, or "
+                             "drop data-path")
         if client is not None:
             return self._client_population(client)
         self._require_setup()

@@ -7,6 +7,7 @@ and Flower's nodes — the interface `data:` in a config names.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -50,9 +51,15 @@ class FederatedData(LightningDataModule):
         sites): the checks against the data wait for them."""
         return False
 
-    def population(self, client: int | None = None) -> Population:
-        """The data across the boundary; with `client`, what the node serving it holds."""
+    def population(self, client: int | None = None, path: str | None = None) -> Population:
+        """The data across the boundary; with `client`, what the node serving it holds (`path`: the
+        node's own file, its node config's data-path, for data that a site holds)."""
         raise NotImplementedError
+
+    def learn(self, sizes: Sequence[int], feature_dim: int) -> None:
+        """What the nodes told the server at their introduction (`learns_from_nodes`): each client's
+        training rows and their width."""
+        raise NotImplementedError(f"{type(self).__name__} knows its clients' rows without asking its nodes")
 
     def describe(self) -> dict[str, str]:
         """Short labels (dataset, backbone, partition, num_clients), for run names, tags and tables."""

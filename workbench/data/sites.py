@@ -7,7 +7,7 @@ Flower engine on a SuperLink), each SuperNode names its own file in its node con
 
 — reads it alone, and tells the server its row count and feature width when introduced
 (`SiteData.learn`), and its file's name for the server's errors: the server never reads a site's
-rows, and its config and the spec the nodes receive name no file. In one process (the Lightning
+rows, and its config and the spec the nodes receive name no site's file. In one process (the Lightning
 engine, a Flower simulation) `sites` lists the K files instead, site k's rows client k's: the same
 fit, row for row.
 
@@ -33,8 +33,9 @@ from torch.utils.data import DataLoader
 
 from workbench.data.federated import FeatureBatches, FederatedData
 from workbench.data.population import Population, Rows
+from workbench.settings import plain
 
-TABLES = {".parquet": "parquet", ".csv": "CSV", ".jsonl": "JSON lines", ".json": "JSON lines"}
+TABLES = {".parquet": "parquet", ".csv": "CSV", ".jsonl": "JSON lines", ".json": "JSON"}  # (.json: lines or one array)
 TENSORS = {".pt": "torch", ".npz": "numpy"}
 IMAGES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 
@@ -65,7 +66,8 @@ def read_site(path: str | Path, num_classes: int, *, label_column: str = "label"
         raise SiteFileError(f"site file {path}: unknown kind {path.suffix!r}; a site's rows are a "
                             f"{', '.join(TABLES)} table, a {', '.join(TENSORS)} tensor file or a folder of images")
     if not path.is_file():
-        raise SiteFileError(f"site file {path} does not exist: point the node's data-path at its own file")
+        raise SiteFileError(f"site file {path} does not exist: point it (a node's data-path, data.sites or "
+                            "data.test_path) at the site's own file")
     try:
         if path.suffix.lower() in TENSORS:
             features, labels = _tensors(path, label_column, feature_column or "features")
@@ -102,8 +104,14 @@ def _table(path: Path, label_column: str, feature_column: str | None) -> tuple[n
     import pandas as pd
 
     suffix = path.suffix.lower()
-    frame = (pd.read_parquet(path) if suffix == ".parquet" else pd.read_csv(path) if suffix == ".csv"
-             else pd.read_json(path, lines=True))
+    if suffix == ".parquet":
+        frame = pd.read_parquet(path)
+    elif suffix == ".csv":
+        frame = pd.read_csv(path)
+    elif suffix == ".json" and path.read_bytes().lstrip()[:1] == b"[":  # one array of row objects
+        frame = pd.read_json(path, orient="records")
+    else:
+        frame = pd.read_json(path, lines=True)
     columns = [str(name) for name in frame.columns]
     wanted = [label_column] + ([feature_column] if feature_column else [])
     if missing := [name for name in wanted if name not in columns]:
@@ -115,6 +123,10 @@ def _table(path: Path, label_column: str, feature_column: str | None) -> tuple[n
         return np.zeros((0, len(columns) - 1)), labels.astype(np.int64)
     if feature_column:
         vectors = frame[feature_column].tolist()
+        if any(isinstance(vector, str) for vector in vectors):
+            raise SiteFileError(f"site file {path}: column {feature_column!r} holds text, not lists of numbers (a "
+                                f"{TABLES[suffix]} cell holds no list): save the site as parquet or JSON lines, or one "
+                                "column per feature without data.feature_column")
         widths = {len(vector) if hasattr(vector, "__len__") else -1 for vector in vectors}
         if len(widths) > 1 or -1 in widths:
             raise SiteFileError(f"site file {path}: column {feature_column!r} must hold one list of numbers a row, "
@@ -185,15 +197,18 @@ def _checked(path: Path, features: np.ndarray, labels: np.ndarray, num_classes: 
     return Rows(torch.from_numpy(features.astype(np.float32)), torch.from_numpy(labels))
 
 
-def _version(path: Path) -> tuple[int, int]:
-    """(modified ns, size) of a file, or of a folder's newest entry and its entry count."""
+def _version(path: Path) -> tuple[int, int, int]:
+    """What changes when a site's file does: a file's (modified ns, size, 0); a folder's newest
+    modification among itself and its entries, their count and their names' hash (a renamed class
+    subfolder is a change)."""
     if not path.exists():
-        return (0, 0)
-    if path.is_dir():
-        entries = [entry.stat() for entry in path.rglob("*")]
-        return (max((entry.st_mtime_ns for entry in entries), default=0), len(entries))
-    stat = path.stat()
-    return (stat.st_mtime_ns, stat.st_size)
+        return (0, 0, 0)
+    if not path.is_dir():
+        stat = path.stat()
+        return (stat.st_mtime_ns, stat.st_size, 0)
+    entries = sorted(path.rglob("*"))
+    newest = max([path.stat().st_mtime_ns, *(entry.stat().st_mtime_ns for entry in entries)])
+    return (newest, len(entries), hash(tuple(str(entry.relative_to(path)) for entry in entries)))
 
 
 def check_widths(widths: Mapping[str, int]) -> None:
@@ -206,16 +221,47 @@ def check_widths(widths: Mapping[str, int]) -> None:
 
 
 @dataclass(frozen=True)
-class SiteBackbone:
-    """The backbone sites holding folders of images extract their features with (`SiteData`'s
-    backbone settings; name None: the sites' files hold features)."""
+class ImageBackbone:
+    """The backbone sites holding folders of images extract their features with.
 
-    name: str | None = None
+    name: an image backbone (`efficientnet_lite0`, the packaged ImageNet weights, or a timm name);
+    pretrained: its pretrained weights (packaged, or `weights_path`; else a seeded random init);
+    input_size: the images' size (default the backbone's own; images are resized to it as read);
+    batch_size: images per forward; device: where it runs (`auto`: CUDA when present).
+    """
+
+    name: str = "efficientnet_lite0"
     pretrained: bool = True
     weights_path: str | None = None
     input_size: int | None = None
     batch_size: int = 256
     device: str = "auto"
+
+    def check(self) -> None:
+        """ValueError naming the setting: an image backbone, a batch of at least one image."""
+        from workbench.backbones import backbone_modality, list_backbones
+
+        try:
+            is_image = backbone_modality(self.name) == "image"
+        except ValueError:
+            is_image = False
+        if not is_image:
+            choices = ", ".join(list_backbones(modality="image"))
+            raise ValueError(f"data.image_backbone.name {self.name!r} is not an image backbone (the sites' folders "
+                             f"hold images): choose one of {choices} or a timm model name")
+        if self.batch_size < 1:
+            raise ValueError(f"data.image_backbone.batch_size must be ≥ 1, got {self.batch_size}")
+
+    def extractor(self) -> tuple[Callable[[Tensor], Tensor], int]:
+        """(the features of uint8 images (n, S, S, 3), S): the backbone built once."""
+        from workbench.backbones import build_backbone
+        from workbench.data.features import extract_features
+
+        backbone = build_backbone(self.name, pretrained=self.pretrained, weights_path=self.weights_path,
+                                  input_size=self.input_size)
+        device = self.device if self.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        return (lambda images: extract_features(backbone, images, self.batch_size, device, desc="site features"),
+                backbone.input_size)
 
 
 class SiteData(FederatedData):
@@ -226,7 +272,7 @@ class SiteData(FederatedData):
     the module's docstring for the files.
 
     Args:
-        num_clients: K, the sites (one SuperNode each, partition-id 0..K−1).
+        num_sites: K, the sites: the clients, one SuperNode each (partition-id 0..K−1).
         num_classes: C: every site's labels are integers in 0..C−1 (a site may lack classes).
         sites: the K files in client order, for a fit in one process; empty on a deployment, where
             each SuperNode names its own.
@@ -236,65 +282,48 @@ class SiteData(FederatedData):
             column is one feature (a tensor file's key: `features`).
         class_names: the classes by name, in label order: a folder of images names its class
             subfolders so (None: subfolders 0..C−1).
-        image_backbone: for sites holding folders of images, the backbone each site extracts their
-            features with (an image backbone: `efficientnet_lite0`, the packaged ImageNet weights,
-            or a timm name); None: the sites' files hold features.
-        pretrained, weights_path, input_size: the backbone's weights (pretrained, from its
-            packaged or local file; else a seeded random init) and input size (default its own;
-            images are resized to it as they are read).
-        extract_batch_size, device: images per backbone forward, and where it runs (`auto`: CUDA
-            when present).
-        test_path: the server's own evaluation rows (a file of the same kind), the test split; None:
-            no test split (the sites' rows never leave them).
+        image_backbone: for sites holding folders of images, the backbone each extracts their
+            features with (`ImageBackbone`: name, pretrained, weights_path, input_size, batch_size,
+            device); None: the sites' files hold features.
+        test_path: the server's own evaluation rows (a file or folder of the sites' kind), the test
+            split; None: no test split (the sites' rows never leave them).
         batch_size: rows per evaluation batch, and per chunk where a client computes in chunks.
     """
 
-    def __init__(self, num_clients: int, num_classes: int, sites: list[str] | None = None,
+    def __init__(self, num_sites: int, num_classes: int, sites: list[str] | None = None,
                  feature_dim: int | None = None, label_column: str = "label", feature_column: str | None = None,
-                 class_names: list[str] | None = None, image_backbone: str | None = None, pretrained: bool = True,
-                 weights_path: str | None = None, input_size: int | None = None, extract_batch_size: int = 256,
-                 device: str = "auto", test_path: str | None = None, batch_size: int = 4096) -> None:
+                 class_names: list[str] | None = None, image_backbone: ImageBackbone | None = None,
+                 test_path: str | None = None, batch_size: int = 4096) -> None:
         super().__init__()
-        if num_clients < 1:
-            raise ValueError(f"data.num_clients must be ≥ 1 (the sites), got {num_clients}")
+        if num_sites < 1:
+            raise ValueError(f"data.num_sites must be ≥ 1, got {num_sites}")
         if num_classes < 2:
             raise ValueError(f"data.num_classes must be ≥ 2, got {num_classes}; a classifier needs two classes")
-        if sites and len(sites) != num_clients:
-            raise ValueError(f"data.sites lists {len(sites)} files for data.num_clients = {num_clients} sites: "
-                             "one file a site, in client order (or none, on a deployment)")
+        if sites and len(sites) != num_sites:
+            raise ValueError(f"data.sites lists {len(sites)} files for data.num_sites = {num_sites}: one file a "
+                             "site, in client order (or none, on a deployment)")
         if feature_dim is not None and feature_dim < 1:
             raise ValueError(f"data.feature_dim must be ≥ 1 (or null: the sites' own), got {feature_dim}")
-        if batch_size < 1 or extract_batch_size < 1:
-            raise ValueError("data.batch_size and data.extract_batch_size must be ≥ 1")
+        if batch_size < 1:
+            raise ValueError(f"data.batch_size must be ≥ 1, got {batch_size}")
         if class_names is not None and len(class_names) != num_classes:
             raise ValueError(f"data.class_names names {len(class_names)} classes for data.num_classes = "
                              f"{num_classes}: name every class, in label order")
         if image_backbone is not None:
-            from workbench.backbones import backbone_modality, list_backbones
-
-            try:
-                is_image = backbone_modality(image_backbone) == "image"
-            except ValueError:
-                is_image = False
-            if not is_image:
-                choices = ", ".join(list_backbones(modality="image"))
-                raise ValueError(f"data.image_backbone {image_backbone!r} is not an image backbone (the sites' "
-                                 f"folders hold images): choose one of {choices} or a timm model name")
+            image_backbone.check()
         self.save_hyperparameters()
-        self.class_names = class_names
-        self.backbone = SiteBackbone(image_backbone, pretrained, weights_path, input_size, extract_batch_size, device)
-        self._extract: Callable[[Tensor], Tensor] | None = None
-        self._image_size = 0
-        self._num_clients, self.num_classes, self.feature_dim = num_clients, num_classes, feature_dim
-        self.label_column, self.feature_column = label_column, feature_column
+        self.num_sites, self.num_classes, self.feature_dim = num_sites, num_classes, feature_dim
+        self.label_column, self.feature_column, self.class_names = label_column, feature_column, class_names
+        self.image_backbone = image_backbone
         self.sites, self.test_path, self.batch_size = list(sites or []), test_path, batch_size
+        self._extract: tuple[Callable[[Tensor], Tensor], int] | None = None  # the backbone, built once
         self._train: Rows | None = None  # the sites' rows (in one process) or their shapes (deployed)
         self._test: Rows | None = None
-        self._shares: dict[tuple, Population] = {}  # a node's rows, by its client and its file's version
+        self._shares: dict[tuple[int, str], tuple[tuple, Population]] = {}  # a node's rows and its file's version
 
     @property
     def num_clients(self) -> int:
-        return self._num_clients
+        return self.num_sites
 
     @property
     def has_validation(self) -> bool:
@@ -308,24 +337,12 @@ class SiteData(FederatedData):
 
     def read(self, path: str | Path) -> Rows:
         """One site's rows from its file (`read_site` with this federation's settings)."""
-        if Path(path).expanduser().is_dir() and self.backbone.name is not None and self._extract is None:
-            self._extract = self._extractor()
+        if Path(path).expanduser().is_dir() and self.image_backbone is not None and self._extract is None:
+            self._extract = self.image_backbone.extractor()
+        extract, size = self._extract or (None, 0)
         return read_site(path, self.num_classes, label_column=self.label_column, feature_column=self.feature_column,
-                         feature_dim=self.feature_dim, class_names=self.class_names, extract=self._extract,
-                         image_size=self._image_size)
-
-    def _extractor(self) -> Callable[[Tensor], Tensor]:
-        """The backbone's features of uint8 images (n, S, S, 3), built once per process."""
-        from workbench.backbones import build_backbone
-        from workbench.data.features import extract_features
-
-        settings = self.backbone
-        assert settings.name is not None  # (read only for a folder of images with a backbone)
-        backbone = build_backbone(settings.name, pretrained=settings.pretrained, weights_path=settings.weights_path,
-                                  input_size=settings.input_size)
-        self._image_size = backbone.input_size
-        device = settings.device if settings.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        return lambda images: extract_features(backbone, images, settings.batch_size, device, desc="site features")
+                         feature_dim=self.feature_dim, class_names=self.class_names, extract=extract,
+                         image_size=size)
 
     # ---- the server ---------------------------------------------------------------------------
     def setup(self, stage: str | None = None) -> None:
@@ -336,69 +353,83 @@ class SiteData(FederatedData):
             rows = [self.read(path) for path in self.sites]
             check_widths({f"site {k} ({path})": part.features.shape[1]
                           for k, (part, path) in enumerate(zip(rows, self.sites, strict=True))})
+            self._check_test_width(rows[0].features.shape[1])
             self._train = Rows(torch.cat([part.features for part in rows]), torch.cat([part.labels for part in rows]),
                                torch.cat([torch.full((len(part),), k) for k, part in enumerate(rows)]))
+
+    def _check_test_width(self, width: int) -> None:
+        if self._test is not None and self._test.features.shape[1] != width:
+            raise ValueError(f"data.test_path {self.test_path} holds {self._test.features.shape[1]} features a row, "
+                             f"and the sites' rows have {width}: the server's test rows must be the sites' features")
 
     def learn(self, sizes: Sequence[int], feature_dim: int) -> None:
         """What a deployed server knows of the sites, from their SuperNodes' introductions: each
         site's training rows and their width. The population then holds the rows' shapes only (on
         the `meta` device: reading their values is an error, not a silent zero)."""
-        if len(sizes) != self.num_clients:
-            raise ValueError(f"{len(sizes)} sites introduced for data.num_clients = {self.num_clients}")
+        if len(sizes) != self.num_sites:
+            raise ValueError(f"{len(sizes)} sites introduced for data.num_sites = {self.num_sites}")
         if self.feature_dim is not None and feature_dim != self.feature_dim:
             raise ValueError(f"the sites hold {feature_dim} features a row, and data.feature_dim = {self.feature_dim}")
-        client_ids = torch.repeat_interleave(torch.arange(self.num_clients), torch.as_tensor(list(sizes)))
-        n = len(client_ids)
-        self._train = Rows(torch.empty(n, feature_dim, device="meta"),
-                           torch.empty(n, dtype=torch.long, device="meta"), client_ids)
+        self.setup()
+        self._check_test_width(feature_dim)
+        client_ids = torch.repeat_interleave(torch.arange(self.num_sites), torch.as_tensor(list(sizes)))
+        self._train = _shapes(len(client_ids), feature_dim, client_ids)
 
     def population(self, client: int | None = None, path: str | Path | None = None) -> Population:
         """The federation's data as this process holds it: every site's rows (in one process), or
-        their shapes (a deployed server, once `learn`ed). With `client`, the node's own: the rows
-        of `path` (its node config's data-path) or, in one process, of `sites[client]`."""
+        their shapes (a deployed server, once `learn`ed; before, with `test_path`, no training rows
+        and the server's test rows: a fitted model tested here). With `client`, the node's own: the
+        rows of `path` (its node config's data-path) or, in one process, of `sites[client]`."""
         if client is not None:
             return self._site(client, path)
         self.setup()
-        if self._train is None:
-            raise ValueError("the sites' rows are on their SuperNodes: the server learns their sizes when it "
-                               "introduces itself to them, so data SiteData without data.sites fits with "
-                               "--engine=flower on a deployment (docs/engines.md, cross-silo); list the files in "
-                               "data.sites to fit them in one process")
-        width = self._train.features.shape[1]
+        train = self._train
+        if train is None:
+            if self._test is None:
+                raise ValueError(NOT_HERE)
+            nothing = torch.zeros(0, dtype=torch.long)  # (no rows: nothing to misread, and the engine may move them)
+            train = Rows(torch.zeros(0, self._test.features.shape[1]), nothing, nothing)
+        width = train.features.shape[1]
         test = self._test if self._test is not None else Rows(torch.zeros(0, width), torch.zeros(0, dtype=torch.long))
-        return Population(self._train, test, self.num_clients, self.num_classes, self.batch_size,
+        return Population(train, test, self.num_sites, self.num_classes, self.batch_size,
                           identity=self.identity(), names=self.describe())
 
     def _site(self, client: int, path: str | Path | None) -> Population:
-        if not 0 <= client < self.num_clients:
-            raise ValueError(f"partition-id {client} is outside the sites' [0, {self.num_clients})")
+        if not 0 <= client < self.num_sites:
+            raise ValueError(f"partition-id {client} is outside the sites' [0, {self.num_sites})")
         if path is None:
             if not self.sites:
                 raise ValueError(f"site {client} has no file: start its SuperNode with data-path in its node "
                                  f"config (--node-config 'partition-id={client} num-partitions="
-                                 f"{self.num_clients} data-path=\"/its/own/file.parquet\"')")
+                                 f"{self.num_sites} data-path=\"/its/own/file.parquet\"')")
             path = self.sites[client]
         # read again when the file changed since (a long-lived node serving its site's next fit)
-        key = (client, str(path), *_version(Path(path).expanduser()))
-        if key not in self._shares:
+        version = _version(Path(path).expanduser())
+        kept = self._shares.get((client, str(path)))
+        if kept is None or kept[0] != version:
             rows = self.read(path)
             share = Rows(rows.features, rows.labels, torch.full((len(rows),), client))
             nothing = Rows(rows.features[:0], rows.labels[:0])
-            self._shares[key] = Population(share, nothing, self.num_clients, self.num_classes, self.batch_size,
-                                           identity=self.identity(), names=self.describe())
-        return self._shares[key]
+            kept = self._shares[(client, str(path))] = (version, Population(
+                share, nothing, self.num_sites, self.num_classes, self.batch_size, identity=self.identity(),
+                names=self.describe()))
+        return kept[1]
 
     def describe(self) -> dict[str, str]:
-        return {"dataset": "sites", "backbone": self.backbone.name or "none", "partition": "sites",
-                "num_clients": str(self.num_clients)}
+        return {"dataset": "sites", "backbone": self.image_backbone.name if self.image_backbone else "none",
+                "partition": "sites", "num_clients": str(self.num_sites)}
 
     def identity(self) -> dict[str, Any]:
-        """The federation's settings (where the files are is not among them: a deployed server
-        never knows)."""
-        return {"num_clients": self.num_clients, "num_classes": self.num_classes, "feature_dim": self.feature_dim,
-                "label_column": self.label_column, "feature_column": self.feature_column,
-                "class_names": self.class_names, "image_backbone": self.backbone.name,
-                "input_size": self.backbone.input_size, "pretrained": self.backbone.pretrained}
+        """The federation's settings and, once known, each site's training rows (`site_rows`: a
+        checkpoint resumed on sites whose files changed is refused); where the files are is not
+        among them (a deployed server never knows)."""
+        identity = {"num_sites": self.num_sites, "num_classes": self.num_classes, "feature_dim": self.feature_dim,
+                    "label_column": self.label_column, "feature_column": self.feature_column,
+                    "class_names": self.class_names,
+                    "image_backbone": None if self.image_backbone is None else plain(self.image_backbone)}
+        if self._train is not None and self._train.client_ids is not None:
+            identity["site_rows"] = torch.bincount(self._train.client_ids, minlength=self.num_sites).tolist()
+        return identity
 
     # ---- loaders ------------------------------------------------------------------------------
     def val_dataloader(self) -> list:
@@ -411,3 +442,14 @@ class SiteData(FederatedData):
             return []
         return DataLoader(FeatureBatches(self.batch_size, features=self._test.features, labels=self._test.labels),
                           batch_size=None)
+
+
+NOT_HERE = ("the sites' rows are on their SuperNodes: the server learns their sizes when it introduces itself to "
+            "them, so data SiteData without data.sites fits with --engine=flower on a deployment (docs/engines.md, "
+            "cross-silo); list the files in data.sites to fit them in one process, or give the server its own "
+            "rows (data.test_path) to test a fitted model here")
+
+
+def _shapes(n: int, width: int, client_ids: Tensor) -> Rows:
+    """n rows of `width` features whose values are elsewhere (`meta`), with their clients."""
+    return Rows(torch.empty(n, width, device="meta"), torch.empty(n, dtype=torch.long, device="meta"), client_ids)

@@ -601,7 +601,10 @@ class LightningEngine(LightningModule):
         the clients (`engine`: `lightning` in this process, `flower` over nodes; default: this
         engine's transport). `data`: default, the Trainer's data module."""
         method, problem = self.method, self.method.problem
-        data = self.data if data is None else population_of(data)
+        if data is None:
+            data_identity = None if self.data is None else dict(self.data.identity)
+        else:  # (a data module's own: cross-silo sites know their rows only once their nodes told them)
+            data_identity = dict(data.identity if isinstance(data, Population) else data.identity())
         return {
             "engine": engine or ("flower" if self.remote_clients is not None else "lightning"),
             "method": f"{type(method).__module__}.{type(method).__qualname__}",
@@ -609,7 +612,7 @@ class LightningEngine(LightningModule):
             "problem": None if problem is None else {"input_shape": list(problem.input_shape),
                                                      "num_classes": problem.num_classes,
                                                      "num_clients": problem.num_clients},
-            "data": None if data is None else dict(data.identity),
+            "data": data_identity,
             "federation": plain(self.federation),
             "stages": self.pipeline.identity(),
         }

@@ -46,7 +46,6 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from workbench.data.population import ClientData
-from workbench.data.sites import SiteData
 from workbench.engines.flower.spec import (
     RunSpec,
     flag,
@@ -128,17 +127,10 @@ def client_data(spec: RunSpec, client: int, num_partitions: int, path: str | Non
     datamodule = _datamodules[key]
     if num_partitions != datamodule.num_clients:
         raise ValueError(f"the federation has num-partitions = {num_partitions} in its node config but the "
-                         f"run's data has num_clients = {datamodule.num_clients}: start one SuperNode per client")
+                         f"run's data has {datamodule.num_clients} clients: start one SuperNode per client")
     if not 0 <= client < num_partitions:
         raise ValueError(f"partition-id {client} is outside [0, {num_partitions})")
-    if isinstance(datamodule, SiteData):
-        data = datamodule.population(client, path=path)
-    elif path is not None:
-        raise ValueError(f"the node config names data-path {path}, and the run's data ({spec.data}) is one dataset "
-                         "the server's settings partition: fit with data SiteData for sites that hold their own "
-                         "files, or drop data-path")
-    else:
-        data = datamodule.population(client)
+    data = datamodule.population(client, path=path)
     return NodeData(data.client(client), Problem.of(data), data.batch_size)  # (the data's tail too)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import json
+import re
 import sys
 import time
 import uuid
@@ -24,7 +25,7 @@ from lightning import Callback
 from torch import Tensor
 
 from workbench.data.population import population_of
-from workbench.data.sites import SiteData, check_widths
+from workbench.data.sites import check_widths
 from workbench.engines.flower.spec import RunSpec, from_record, number, numbers, text, to_record
 from workbench.engines.flower_settings import FlowerSettings
 from workbench.engines.round import Replies, RoundRequest, add_metrics
@@ -115,7 +116,7 @@ class FlowerClients:
         self.grid: Grid | None = grid
         self.method = method
         # cross-silo sites (SiteData without files here): the server learns their sizes from the nodes
-        self.sites = isinstance(datamodule, SiteData) and datamodule.learns_from_nodes
+        self.sites = datamodule.learns_from_nodes
         self.settings = settings or FlowerSettings()
         self.protocol = pipeline.node_settings()  # what the nodes run of the fit's protocol from the start
         self.spec = RunSpec.of(method, datamodule, self.protocol)
@@ -199,7 +200,8 @@ class FlowerClients:
             for reply in self._grid().pull_messages(list(waiting)):
                 node = waiting.pop(reply.metadata.reply_to_message_id)
                 if reply.has_error():
-                    failure = f"the ClientApp on SuperNode {node} failed ({message_type}): {reply.error.reason}"
+                    why = _reason(reply.error.reason or "")
+                    failure = f"the ClientApp on SuperNode {node} failed ({message_type}): {why}"
                     if reply.error.code not in NODE_LOST and not failed_ok:
                         raise RuntimeError(failure)
                     missing[node] = NODE_LOST.get(reply.error.code, failure)
@@ -416,6 +418,13 @@ class FlowerClients:
     def close(self) -> None:
         """The run ended: the nodes and their state are gone."""
         self.grid = None
+
+
+def _reason(reason: str) -> str:
+    """A ClientApp's exception as Flower reports it (`<class 'pkg.SomeError'>:<'its message'>`) in
+    plain words: `SomeError: its message`."""
+    raised = re.fullmatch(r"<class '(?:[\w]+\.)*(\w+)'>:<['\"](.*)['\"]>", reason.strip(), re.S)
+    return f"{raised[1]}: {raised[2]}" if raised else reason
 
 
 def _warn_missing(what: str, missing: Mapping[int, str]) -> None:
