@@ -14,14 +14,26 @@ def _first_line(obj) -> str:
     return doc.split("\n\n")[0].replace("\n", " ").strip()
 
 
+def _exported(module, base: type) -> list[type]:
+    """The subclasses of `base` that `module` exports (its `__all__`), by name, `base` left out."""
+    found = [getattr(module, name) for name in sorted(module.__all__, key=str.lower)]
+    return [cls for cls in found if isinstance(cls, type) and issubclass(cls, base) and cls is not base]
+
+
 def method_classes() -> list[type]:
     """Every method `workbench.methods` exports, by name (the names `--model` accepts)."""
     import workbench.methods as module
     from workbench.methods import FederatedMethod
 
-    found = [getattr(module, name) for name in sorted(module.__all__, key=str.lower)]
-    return [cls for cls in found
-            if isinstance(cls, type) and issubclass(cls, FederatedMethod) and cls is not FederatedMethod]
+    return _exported(module, FederatedMethod)
+
+
+def data_classes() -> list[type]:
+    """Every data module `workbench.data` exports, by name (the names `--data` accepts)."""
+    import workbench.data as module
+    from workbench.data import FederatedData
+
+    return _exported(module, FederatedData)
 
 
 def methods() -> list[tuple[str, str]]:

@@ -40,7 +40,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from workbench import runlog
-from workbench.catalog import method_classes
+from workbench.catalog import data_classes, method_classes
 from workbench.command_line import CHECKPOINT_WORDS, config_files, missing_checkpoint, usage_line, yaml_error
 from workbench.console import DEBUG_ENV, condense_parse_error
 from workbench.data import FederatedData
@@ -242,7 +242,8 @@ class WorkbenchParser(LightningArgumentParser):
             super().error(message, ex)
         command = (getattr(ex, "subcommand_parser", None) or self).prog.split()[-1]
         command = command if command in ("fit", "validate", "test") else "<command>"
-        choices = {"model": [cls.__name__ for cls in method_classes()], "data": ["FederatedDataModule", "SiteData"]}
+        choices = {"model": [cls.__name__ for cls in method_classes()],
+                   "data": [cls.__name__ for cls in data_classes()]}
         if "<unicode string>" in message:
             message = yaml_error(*WorkbenchParser.given) or message
         print(f"{usage_line(command)}\n"

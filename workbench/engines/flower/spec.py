@@ -27,8 +27,8 @@ from flwr.common.constant import SType
 from lightning import LightningDataModule
 from torch import Tensor, nn
 
-from workbench import data as data_classes
 from workbench import methods as method_classes
+from workbench.catalog import data_classes
 from workbench.federation.protocol import Federation
 from workbench.methods.base import FederatedMethod
 from workbench.settings import construct, init_arguments, plain
@@ -89,9 +89,7 @@ class RunSpec:
         return construct(Federation, json.loads(self.protocol))
 
     def build_data(self) -> LightningDataModule:
-        exported = {name: getattr(data_classes, name) for name in data_classes.__all__}
-        modules = {name: value for name, value in exported.items()
-                   if isinstance(value, type) and issubclass(value, LightningDataModule)}
+        modules = {cls.__name__: cls for cls in data_classes()}
         if self.data not in modules:
             raise ValueError(f"unknown data module {self.data!r}; this install has {sorted(modules)}")
         return construct(modules[self.data], json.loads(self.data_args))
