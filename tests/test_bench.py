@@ -111,6 +111,27 @@ def test_the_table_holds_the_runs_own_metrics(tiny):
     assert sum(",True," in line for line in csv_rows) == 3 * 4  # one chosen point per seed and working row
 
 
+def test_a_grid_of_server_settings_is_one_fit_solved_again_at_each_point(tiny, tmp_path):
+    """AFL's γ_out points of a cell share one fit (the first point's), solved again at the others;
+    each such record is what a fit of its own at that point gives, down to its run folder."""
+    _, _, _, records = tiny
+    afl = [r for r in records if r["method"] == "AFL"]
+    assert [r.get("solved_from") for r in afl] == [None, "gamma_out=0.1"] * 3
+    alone = {**TINY, "references": {"enabled": False}, "methods": {"AFL": {"class_path": "AFL",
+                                                                           "grid": {"gamma_out": [10.0]}}}}
+    _, fitted = bench(tmp_path, alone)
+    assert [r.get("solved_from") for r in fitted] == [None] * 3
+    runs = {str(run.path): run for run in find_runs([tiny[0] / "runs"])}
+    for solved, own in zip([r for r in afl if r.get("solved_from")], fitted, strict=True):
+        assert solved["key"] == own["key"]  # the same run, however it was computed
+        for number in ("test_acc", "holdout_acc", "best_test_acc", "rounds", "up_mb", "down_mb"):
+            assert solved[number] == pytest.approx(own[number], abs=1e-12), number
+        assert sum(solved["curve"], []) == pytest.approx(sum(own["curve"], []), abs=1e-12)  # round, acc, MB up
+        assert solved["wall_s"] < own["wall_s"] and solved["solve_s"] < solved["fit_s"]
+        run = runs[str(Path(solved["run_folder"]).resolve())]
+        assert run.final("test/acc") == pytest.approx(own["test_acc"], abs=1e-12) and run.num_clients == 4
+
+
 def test_the_hold_outs_choose_and_the_test_split_never_does(tiny):
     """Every chosen run has its group's best hold-out score; and records whose test accuracy ranks
     the other way round do not move the choice."""

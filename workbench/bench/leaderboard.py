@@ -225,8 +225,11 @@ def render(scenario: Scenario, records: list[dict[str, Any]]) -> str:
               f"{scenario.budget.patience} rounds without a gain of {100 * scenario.budget.min_delta:g} point of "
               f"hold-out accuracy. Protocol: {scenario.protocol}.", ""]
     lines += ["Grids (every combination; the chosen point per seed is in the last column):", ""]
+    solved_again = {record["method"] for record in done if record.get("solved_from")}
     for spec in scenario.rows():
         grid = "; ".join(f"{key} ∈ {{{', '.join(map(short, values))}}}" for key, values in spec.grid.items())
+        if spec.name in solved_again:  # (`MethodSpec.shares_fit`)
+            grid += " (one fit a cell, solved again at the other points)"
         fixed = ", ".join(f"{key} {short(value)}" for key, value in flatten(spec.init_args).items() if key != "kind")
         lines.append(f"- {spec.name} (`{spec.class_path}`): {grid or 'no grid'}" + (f"; {fixed}" if fixed else ""))
     lines.append("")

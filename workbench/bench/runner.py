@@ -82,9 +82,22 @@ class DataModules:
 def fit_method(scenario: Scenario, run: Run, data, folder: Path, systems=None) -> dict[str, Any]:
     """One method's fit and test in process, logged to `folder`: the record's numbers; under
     `systems` (`workbench.federation.systems.Systems`) also its simulated clock's."""
+    engine = fit_engine(scenario, run, data, folder, systems)
+    return scored(scenario, run, engine, data, folder, engine.trainer)
+
+
+def bench_trainer(folder: Path):
+    """A Trainer that logs to `folder` (`metrics.csv`) and says nothing else."""
     from lightning import Trainer
     from lightning.pytorch.loggers import CSVLogger
 
+    return Trainer(logger=CSVLogger(folder.parent, name="", version=folder.name),
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                   num_sanity_val_steps=0, log_every_n_steps=1, accelerator="cpu", devices=1)
+
+
+def fit_engine(scenario: Scenario, run: Run, data, folder: Path, systems=None):
+    """The fitted LightningEngine of one run (the stopping rule on the hold-outs)."""
     from workbench.engines import LightningEngine
     from workbench.engines.stopping import Stopping
     from workbench.sweep import build_part
@@ -95,18 +108,35 @@ def fit_method(scenario: Scenario, run: Run, data, folder: Path, systems=None) -
     budget = scenario.budget
     engine = LightningEngine(method, stopping=Stopping(patience=budget.patience, min_delta=budget.min_delta),
                              systems=systems)
-    trainer = Trainer(logger=CSVLogger(folder.parent, name="", version=folder.name),
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, log_every_n_steps=1, accelerator="cpu", devices=1)
-    trainer.fit(engine, datamodule=data)
+    bench_trainer(folder).fit(engine, datamodule=data)
+    return engine
+
+
+def resolved(scenario: Scenario, run: Run, engine, data, folder: Path) -> dict[str, Any]:
+    """The record of a grid point of server settings only, from an earlier point's fitted engine:
+    its method solved again at `run.point` (`FederatedMethod.resolve`, what a fit at the point gives)
+    and tested. Its `fit_s` is the fit's (the solve's cost does not depend on the value), its
+    `solve_s` what solving again took; its folder logs the fit's numbers with the new scores."""
+    start = time.perf_counter()
+    engine.resolve(**run.point)
+    solve_s = time.perf_counter() - start
+    trainer = bench_trainer(folder)
+    trainer.logger.log_metrics(dict(engine.fit_metrics), step=0)
+    return {**scored(scenario, run, engine, data, folder, trainer), "solve_s": solve_s}
+
+
+def scored(scenario: Scenario, run: Run, engine, data, folder: Path, trainer) -> dict[str, Any]:
+    """A fitted engine's record: tested by `trainer` (whose logger writes `folder`), its curve and
+    the fit's numbers; the run's config written beside its metrics."""
     tested = trainer.test(engine, datamodule=data, verbose=False)[0]
+    init_args = run.method.settings(run.point, run.seed, scenario.budget.rounds)
     fit, curve = engine.fit_metrics, engine.curve
     write_text_atomically(folder / "config.yaml", yaml.safe_dump(
         {"model": {"class_path": run.method.class_path, "init_args": json.loads(json.dumps(init_args, default=str))},
          "data": {"class_path": DATA_CLASS, "init_args": scenario.data_settings(run.setting, run.seed)},
          "engine": "lightning"}, sort_keys=False))
-    scored = [point for point in curve if "round/test_acc" in point]
-    best = max(scored, key=lambda point: point["round/test_acc"], default={})
+    tested_points = [point for point in curve if "round/test_acc" in point]
+    best: dict[str, Any] = max(tested_points, key=lambda point: point["round/test_acc"], default={})
     if scenario.protocol == "personalized":  # chosen as scored: each client's own model on its own hold-out
         holdout = engine.personal_accuracy("val")
     else:
@@ -117,14 +147,14 @@ def fit_method(scenario: Scenario, run: Run, data, folder: Path, systems=None) -
         clocked = {"latency_s": fit["latency/total_s"], "stragglers": int(fit["latency/stragglers_total"]),
                    "row_s": clock.row_s,
                    "latency_curve": [[point["round"], point["round/test_acc"], point["round/latency_s"]]
-                                     for point in scored]}
+                                     for point in tested_points]}
     return {**clocked, "test_acc": tested.get("test/acc", math.nan),
             "personal_acc": tested.get("test/acc_local_mean", math.nan), "holdout_acc": holdout,
             "best_test_acc": best.get("round/test_acc", math.nan), "best_round": best.get("round", math.nan),
             "rounds": int(fit["comm/rounds"]), "up_mb": fit["comm/bytes_up"] / data.num_clients / 1e6,
             "down_mb": fit["comm/bytes_down"] / data.num_clients / 1e6, "fit_s": fit["time/fit_s"],
             "curve": [[point["round"], point["round/test_acc"], point["round/bytes_up_per_client"] / 1e6]
-                      for point in scored]}
+                      for point in tested_points]}
 
 
 def fit_reference(scenario: Scenario, run: Run, data) -> dict[str, Any]:
@@ -146,13 +176,36 @@ def fit_reference(scenario: Scenario, run: Run, data) -> dict[str, Any]:
             "curve": [[point["round"], point["test_acc"], math.nan] for point in curve]}
 
 
-def run_one(scenario: Scenario, run: Run, modules: DataModules, run_dir: Path) -> dict[str, Any]:
-    """One run's record, done or failed (never raises but for an interrupt)."""
+def jobs(runs: list[Run]) -> list[list[Run]]:
+    """The runs in jobs of one fit: a run each, but the points of one method in one cell whose grid
+    varies server settings only (`MethodSpec.shares_fit`) together, in their order."""
+    grouped: dict[Any, list[Run]] = {}
+    for run in runs:
+        shared = (json.dumps(run.setting, sort_keys=True), run.seed, run.method.name)
+        grouped.setdefault(shared if run.method.shares_fit else id(run), []).append(run)
+    return list(grouped.values())
+
+
+def run_job(scenario: Scenario, job: list[Run], modules: DataModules, run_dir: Path) -> list[dict[str, Any]]:
+    """The records of a job's runs: the first point fits, each further one solves that fit again
+    (after a failed fit, the next point fits)."""
+    records, fitted = [], None
+    for run in job:
+        record, fitted = run_one(scenario, run, modules, run_dir, fitted)
+        records.append(record)
+    return records
+
+
+def run_one(scenario: Scenario, run: Run, modules: DataModules, run_dir: Path,
+            fitted: tuple[Any, Run] | None = None) -> tuple[dict[str, Any], tuple[Any, Run] | None]:
+    """One run's record, done or failed (never raises but for an interrupt), and its fitted engine
+    with the run that fitted it (None for a reference or a failure); `fitted`: such a pair of
+    another point of this run's server settings, solved again instead of a new fit."""
     record = {"key": run.key(scenario), "scenario": scenario.name, "setting": setting_label(run.setting),
               **{f"data.{key}": value for key, value in run.setting.items()}, "seed": run.seed,
               "method": run.method.name, "class_path": run.method.class_path, "point": run.point,
               "point_label": run.point_label}
-    start = time.perf_counter()
+    start, fit = time.perf_counter(), None
     try:
         data = modules.get(run)
         if run.method.is_reference:
@@ -160,7 +213,14 @@ def run_one(scenario: Scenario, run: Run, modules: DataModules, run_dir: Path) -
         else:
             folder = (run_dir / slug(record["setting"]) / slug(run.method.name) / slug(run.point_label)
                       / f"seed_{run.seed}")
-            record.update(fit_method(scenario, run, data, folder), run_folder=str(folder))
+            if fitted is None:
+                engine = fit_engine(scenario, run, data, folder)
+                record.update(scored(scenario, run, engine, data, folder, engine.trainer))
+                fit = engine, run
+            else:
+                record.update(resolved(scenario, run, fitted[0], data, folder), solved_from=fitted[1].point_label)
+                fit = fitted
+            record["run_folder"] = str(folder)
         record["status"] = "done"
     except Exception as error:
         # the round's guard against non-finite uploads: a grid point whose steps blew up is an
@@ -171,7 +231,7 @@ def run_one(scenario: Scenario, run: Run, modules: DataModules, run_dir: Path) -
                       traceback=traceback.format_exc()[-4000:])
     record["wall_s"] = time.perf_counter() - start
     record["machine"] = machine()
-    return record
+    return record, fit if record["status"] == "done" else None
 
 
 def machine() -> str:
@@ -204,8 +264,8 @@ def _worker_start(scenario: Scenario, run_dir: Path, threads: int) -> None:
     _WORKER.update(scenario=scenario, run_dir=run_dir, modules=DataModules(scenario))
 
 
-def _worker_run(run: Run) -> dict[str, Any]:
-    return run_one(_WORKER["scenario"], run, _WORKER["modules"], _WORKER["run_dir"])
+def _worker_run(job: list[Run]) -> list[dict[str, Any]]:
+    return run_job(_WORKER["scenario"], job, _WORKER["modules"], _WORKER["run_dir"])
 
 
 def run_all(scenario: Scenario, runs: list[Run], results: Path, run_dir: Path, workers: int = 1,
@@ -222,8 +282,9 @@ def run_all(scenario: Scenario, runs: list[Run], results: Path, run_dir: Path, w
     if workers <= 1:
         quiet()
         modules = DataModules(scenario)
-        for run in runs:
-            yield keep(run_one(scenario, run, modules, run_dir))
+        for job in jobs(runs):
+            for record in run_job(scenario, job, modules, run_dir):
+                yield keep(record)
         return
     import multiprocessing
 
@@ -231,8 +292,9 @@ def run_all(scenario: Scenario, runs: list[Run], results: Path, run_dir: Path, w
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_start,
                              initargs=(scenario, run_dir, threads)) as pool:
         # a cell's runs to one worker in a row would keep its data warm; the pool takes them in order
-        for future in as_completed([pool.submit(_worker_run, run) for run in runs]):
-            yield keep(future.result())
+        for future in as_completed([pool.submit(_worker_run, job) for job in jobs(runs)]):
+            for record in future.result():
+                yield keep(record)
 
 
 def describe(record: dict[str, Any]) -> str:

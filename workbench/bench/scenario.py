@@ -88,6 +88,15 @@ class MethodSpec:
         """A centralized reference row (`workbench.bench.references`), not a federated method."""
         return self.class_path == REFERENCE
 
+    @property
+    def shares_fit(self) -> bool:
+        """Its grid varies only settings the server's last solve reads (the method class's
+        `server_settings`, e.g. AFL's gamma_out): a cell's points are one fit, solved again at each."""
+        if self.is_reference or not self.grid:
+            return False
+        solved_again = getattr(method_class(self.class_path), "server_settings", ())
+        return {key.split(".")[0] for key in self.grid} <= set(solved_again)
+
     def points(self) -> list[dict[str, Any]]:
         """Every combination of the grid's values ({} for no grid), the first key varying slowest."""
         keys = list(self.grid)

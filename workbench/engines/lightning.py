@@ -456,6 +456,15 @@ class LightningEngine(LightningModule):
             self.fit_metrics.update({"round/round": point["round"],
                                      **{key: value for key, value in point.items() if key.startswith("round/")}})
 
+    def resolve(self, **settings: float) -> None:
+        """The fitted method at other values of its server settings (`FederatedMethod.resolve`):
+        the last learning-curve point and the fit's `round/*` metrics scored again on its model."""
+        self.method.resolve(**settings)
+        last = self.curve.pop()
+        self.curve.append({key: value for key, value in last.items()
+                           if key not in ("round/test_acc", "round/val_acc", "round/test_acc_local_mean")})
+        self._score_round(personal=not self.method.personalized)
+
     def _curve_inputs(self, features: Tensor) -> Tensor:
         """Evaluation inputs outside Lightning's loops, as its loops pass them: on the device, in
         the trainer's precision, clipped where the clients clip."""

@@ -121,6 +121,7 @@ class AFL(FederatedMethod):
 
     uploads = MappingProxyType({"gram": GRAM, "cross": SUMMED, **SELECTION_UPLOADS})
     ridge_setting = "gamma_out"  # the setting of the final solve's ridge, named in its errors
+    server_settings: tuple[str, ...] = ("gamma_out",)  # a fitted model re-solves at another γ_out from G and H
 
     # buffers from `setup_problem`
     weight: Tensor  # (d [+1], C)
@@ -236,6 +237,19 @@ class AFL(FederatedMethod):
                 f"{safe_ridge(sigma, len(gram)):.4g} (σ(2√d + 8), above the noise's most negative eigenvalue), "
                 "which keeps it positive definite")
         return solve_spd(gram, self.pooled_cross, what=f"{name}'s aggregated Gram matrix")
+
+    def solve_again(self, settings: Mapping[str, float]) -> None:
+        """W at another γ_out from the kept G and H (equals a fit at it)."""
+        if len(self.gamma_grid) > 1:
+            raise ValueError(f"{type(self).__name__}'s γ_out was chosen on the clients' hold-outs (gamma_grid): "
+                             "fit without gamma_grid to resolve it at values of your own")
+        value = float(settings[self.ridge_setting])
+        if not value >= 0:
+            raise ValueError(f"{self.ridge_setting} must be ≥ 0, got {value}")
+        self.gamma_out = value
+        setattr(self, self.ridge_setting, value)  # (Fed3R's ridge)
+        self.selected_gamma_out.fill_(value)
+        self.weight = self.solve()
 
     def add_clients(self, uploads: dict[str, Tensor], num_clients: int) -> None:
         """Add m = `num_clients` clients to the fitted model and re-solve (equals a refit with them).

@@ -221,6 +221,7 @@ class AnaPFL(AFL):
     """
 
     personalized = True
+    server_settings = ()  # each client's refinement is fit on the global branch: γ_out reaches the clients
     uploads = MappingProxyType({"gram": GRAM, "cross": SUMMED, "holdout_accuracy": SUMMED,
                                 "holdout_clients": SUMMED})
 

@@ -216,6 +216,9 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
     global_model: bool = True
     #: fits on feature vectors (n, d) only, as the analytic methods' statistics are of rows
     needs_feature_vectors: bool = True
+    #: settings only the server's solve after the last round reads (the clients never do): a fitted
+    #: model takes other values of them by `resolve`, so a grid over them costs one fit
+    server_settings: tuple[str, ...] = ()
     _forgot_clients: bool = False  # some clients came back afresh (`forget_clients`)
 
     rounds_done: Tensor  # () int64
@@ -308,6 +311,24 @@ class FederatedMethod(HyperparametersMixin, nn.Module):
         norm ≤ B (`federation.feature_clip`; 0: rows not clipped), for `privacy/epsilon` under
         `dp_sigma`; None: not stated."""
         return None
+
+    def resolve(self, **settings: float) -> None:
+        """This fitted model as a fit with other values of some `server_settings` gives it: the server
+        solves again from the statistics it kept, no client takes part (the settings are recorded
+        in the hyperparameters)."""
+        if unknown := sorted(set(settings) - set(self.server_settings)):
+            allowed = ", ".join(self.server_settings) or "none"
+            raise ValueError(f"{type(self).__name__} cannot resolve {unknown}: the clients read them, or the fit "
+                             f"depends on them beyond the last solve (settings it resolves: {allowed})")
+        self.require_fitted()
+        self.solve_again(settings)
+        for name, value in settings.items():
+            if name in self.hparams:
+                self.hparams[name] = value
+
+    def solve_again(self, settings: Mapping[str, float]) -> None:
+        """Set `settings` (checked by `resolve`) and solve again from the kept statistics."""
+        raise NotImplementedError
 
     def head_logits(self, features: Tensor) -> dict[str, Tensor]:
         """Logits of further heads to score at test time as `test/acc/<name>` (default none)."""

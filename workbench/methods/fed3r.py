@@ -143,6 +143,7 @@ class Fed3R(AFL):
 
     uploads = MappingProxyType({"gram": GRAM, "cross": SUMMED})
     ridge_setting = "ridge"
+    server_settings = ("ridge",)
     rf_omega: Tensor  # (d, D), with random features
     rf_phase: Tensor  # (D,)
 

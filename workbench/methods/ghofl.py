@@ -199,6 +199,8 @@ class GHOFL(FederatedMethod):
     class_present: Tensor  # (C,) bool
     fisher_basis: Tensor  # (d, f), f found by the fit
 
+    server_settings = ("shrinkage",)  # the clients send the same sums whatever it is
+
     def __init__(self, heads: Sequence[str] = HEADS, primary_head: str | None = None,
                  shrinkage: float = 0.05, sketch_dim: int | None = None, sketch_seed: int = 0,
                  synthesis: FisherSynthesis = DEFAULT_SYNTHESIS,
@@ -236,6 +238,7 @@ class GHOFL(FederatedMethod):
             raise ValueError(f"fedcgs_ridge must be ≥ 0, got {fedcgs_ridge}")
         self.save_hyperparameters()
         self.heads, self.primary_head, self.shrinkage = heads, primary_head, shrinkage
+        self._sums: Uploads | None = None  # the round's, to solve again (`resolve`)
         self.sketch_dim, self.sketch_seed, self.seed = sketch_dim, sketch_seed, seed
         self.synthesis = synthesis
         self.fishermix_schedule, self.proto_hyper_schedule = fishermix, proto_hyper
@@ -317,6 +320,7 @@ class GHOFL(FederatedMethod):
         return {}
 
     def server_update(self, uploads: Uploads, num_clients: float) -> Metrics:
+        self._sums = uploads  # kept in memory (not saved) to solve again at another shrinkage
         seconds: dict[str, float] = {}
         start = time.perf_counter()
         moments = GaussianMoments.from_sums(
@@ -348,6 +352,17 @@ class GHOFL(FederatedMethod):
                 curve = getattr(self, head).loss_curve
                 self.head_metrics[f"{head}/final_train_loss"] = curve[-1]  # the curve: `<head>.loss_curve`
         return dict(self.head_metrics)
+
+    def solve_again(self, settings: Mapping[str, float]) -> None:
+        """Every head at another shrinkage from the round's sums (equals a fit at it)."""
+        if self._sums is None:
+            raise ValueError("GHOFL solves again from the round's sums, which a restored checkpoint does not hold: "
+                             "fit it in this process first")
+        value = float(settings["shrinkage"])
+        if not 0 <= value <= 1:
+            raise ValueError(f"shrinkage must be in [0, 1], got {value}")
+        self.shrinkage = value
+        self.server_update(self._sums, float("nan"))
 
     def step_metrics(self, test_features, test_labels, fit_metrics) -> list[tuple[int, dict[str, float]]]:
         """After the round: each trained head's training loss by epoch (step = epoch)."""
