@@ -2,7 +2,10 @@
 rows reaches on the same features, so that a reader sees the ceiling.
 
 - Logistic regression: the linear softmax classifier minimizing mean cross-entropy + (l2/2)‖W‖²
-  (bias unpenalized), full-batch L-BFGS with a strong-Wolfe line search to convergence.
+  (bias unpenalized), full-batch L-BFGS with a strong-Wolfe line search, at most 500 iterations
+  in float32. That is not always the optimum: on Fashion-MNIST's features the loss at l2 = 1e-4
+  is still falling after them (0.2023; below 0.2008 after 885 in float64), at l2 = 0.01 it is
+  within 1e-4 of it; the hold-out and test accuracies moved by at most 0.08 point there.
 - MLP: the gradient methods' own model (`workbench.methods.heads`, the same seed and width)
   trained by minibatch SGD on the pooled rows, one epoch standing for a round: at most the
   budget's rounds, stopped by the same rule on the pooled hold-outs.
