@@ -32,7 +32,8 @@ def model(method) -> dict[str, torch.Tensor]:
     (lambda value: AFL(gamma=0.5, gamma_out=value, bias=True), "gamma_out", 3.0, 0.0),
     (lambda value: Fed3R(ridge=value, random_features=16), "ridge", 0.01, 1.0),
     (lambda value: GHOFL(shrinkage=value, **QUICK), "shrinkage", 0.05, 0.5),
-], ids=["afl", "afl-bias-to-least-squares", "fed3r-rf", "ghofl-every-head"])
+    (lambda value: GHOFL(heads=["fedcgs"], fedcgs_ridge=value), "fedcgs_ridge", 0.0, 0.1),
+], ids=["afl", "afl-bias-to-least-squares", "fed3r-rf", "ghofl-every-head", "fedcgs"])
 def test_a_fit_solved_again_is_the_fit_at_the_new_value(fit_method, data, build, setting, first, other):
     resolved, direct = build(first), build(other)
     fit_method(resolved, data)

@@ -199,7 +199,7 @@ class GHOFL(FederatedMethod):
     class_present: Tensor  # (C,) bool
     fisher_basis: Tensor  # (d, f), f found by the fit
 
-    server_settings = ("shrinkage",)  # the clients send the same sums whatever it is
+    server_settings = ("shrinkage", "fedcgs_ridge")  # the clients send the same sums whatever they are
 
     def __init__(self, heads: Sequence[str] = HEADS, primary_head: str | None = None,
                  shrinkage: float = 0.05, sketch_dim: int | None = None, sketch_seed: int = 0,
@@ -354,14 +354,15 @@ class GHOFL(FederatedMethod):
         return dict(self.head_metrics)
 
     def solve_again(self, settings: Mapping[str, float]) -> None:
-        """Every head at another shrinkage from the round's sums (equals a fit at it)."""
+        """Every head at another shrinkage or FedCGS ridge from the round's sums (equals a fit at them)."""
         if self._sums is None:
             raise ValueError("GHOFL solves again from the round's sums, which a restored checkpoint does not hold: "
                              "fit it in this process first")
-        value = float(settings["shrinkage"])
-        if not 0 <= value <= 1:
-            raise ValueError(f"shrinkage must be in [0, 1], got {value}")
-        self.shrinkage = value
+        shrinkage, ridge = float(settings.get("shrinkage", self.shrinkage)), float(
+            settings.get("fedcgs_ridge", self.fedcgs_ridge))
+        if not 0 <= shrinkage <= 1 or not ridge >= 0:
+            raise ValueError(f"shrinkage must be in [0, 1] and fedcgs_ridge ≥ 0, got {shrinkage} and {ridge}")
+        self.shrinkage, self.fedcgs_ridge = shrinkage, ridge
         self.server_update(self._sums, float("nan"))
 
     def step_metrics(self, test_features, test_labels, fit_metrics) -> list[tuple[int, dict[str, float]]]:
