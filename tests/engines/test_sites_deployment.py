@@ -48,7 +48,8 @@ def test_sites_holding_their_own_files_fit_the_model_of_their_union(tmp_path):
                                  env={"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"},
                                  node_config={k: {"data-path": path} for k, path in enumerate(paths)})
     try:
-        submitted = federation.submit([*AFL, *data, f"--run_dir={tmp_path}", "--run_name=afl", "--flower.deadline_s=30"],
+        submitted = federation.submit([*AFL, *data, f"--run_dir={tmp_path}", "--run_name=afl",
+                                       "--flower.deadline_s=30"],
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         _out, err = submitted.communicate(timeout=300)
         assert submitted.returncode == 0, err[-3000:]
