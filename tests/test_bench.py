@@ -126,7 +126,8 @@ def test_a_grid_of_server_settings_is_one_fit_solved_again_at_each_point(tiny, t
         assert solved["key"] == own["key"]  # the same run, however it was computed
         for number in ("test_acc", "holdout_acc", "best_test_acc", "rounds", "up_mb", "down_mb"):
             assert solved[number] == pytest.approx(own[number], abs=1e-12), number
-        assert sum(solved["curve"], []) == pytest.approx(sum(own["curve"], []), abs=1e-12)  # round, acc, MB up
+        for point, own_point in zip(solved["curve"], own["curve"], strict=True):  # round, accuracy, MB up
+            assert point == pytest.approx(own_point, abs=1e-12)
         assert solved["wall_s"] < own["wall_s"] and solved["solve_s"] < solved["fit_s"]
         run = runs[str(Path(solved["run_folder"]).resolve())]
         assert run.final("test/acc") == pytest.approx(own["test_acc"], abs=1e-12) and run.num_clients == 4
@@ -207,6 +208,21 @@ def test_an_edge_choice_is_flagged():
     wider = load_scenario_of({**TINY, "methods": {"FedAvg": {**TINY["methods"]["FedAvg"],
                                                              "grid": {"local.lr": [0.01, 0.1, 0.3]}}}})
     assert leaderboard.edges(wider, "FedAvg", {"local.lr": 0.1}) == []
+    ridge = load_scenario_of({**TINY, "methods": {"AFL": {"class_path": "AFL",
+                                                          "grid": {"gamma_out": [0.0, 1.0, 10.0]}}}})
+    assert leaderboard.edges(ridge, "AFL", {"gamma_out": 0.0}) == []  # nothing below no regularizer
+    assert leaderboard.edges(ridge, "AFL", {"gamma_out": 10.0}) == ["gamma_out"]
+
+
+def test_one_round_methods_alone_get_no_columns_to_reach_them():
+    """`rounds to AFL's` needs a method with a curve to reach it on: a table of one-round methods has none."""
+    base = {"status": "done", "setting": "s", "class_path": "AFL", "point_label": "—", "point": {},
+            "holdout_acc": 0.9, "test_acc": 0.9}
+    one_round = [{**base, "seed": 0, "method": name, "rounds": 1} for name in ("AFL", "LDA")]
+    scenario = load_scenario_of({**TINY, "methods": {"AFL": {"class_path": "AFL"}, "LDA": {"class_path": "GHOFL"}}})
+    assert leaderboard.targets_of(scenario, leaderboard.choose(one_round), "s") == []
+    longer = [*one_round, {**base, "seed": 0, "method": "LDA", "rounds": 3, "point_label": "x", "holdout_acc": 0.95}]
+    assert leaderboard.targets_of(scenario, leaderboard.choose(longer), "s") == ["AFL"]
 
 
 def test_a_reference_run_is_keyed_by_what_decides_it_alone():

@@ -77,14 +77,15 @@ def paired_p(top: list[float], other: list[float]) -> float:
 
 
 def edges(scenario: Scenario, method: str, point: dict[str, Any]) -> list[str]:
-    """The grid keys whose chosen value is the smallest or largest of a numeric axis of ≥ 2 values."""
+    """The grid keys whose chosen value is the smallest or largest of a numeric axis of ≥ 2 values
+    (but a smallest of 0: no regularizer lies below none)."""
     spec = next((m for m in scenario.rows() if m.name == method), None)
     if spec is None:
         return []
     flagged = []
     for key, values in spec.grid.items():
         numeric = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        if len(numeric) == len(values) >= 2 and point.get(key) in (min(numeric), max(numeric)):
+        if len(numeric) == len(values) >= 2 and point.get(key) in {min(numeric), max(numeric)} - {0}:
             flagged.append(key)
     return flagged
 
@@ -123,12 +124,15 @@ def mean_of(values: list[float]) -> float:
 
 
 def targets_of(scenario: Scenario, chosen: dict[tuple[str, int, str], dict[str, Any]], setting: str) -> list[str]:
-    """The one-round methods of a setting (at most two rounds on every seed), AFL first."""
+    """The one-round methods of a setting (at most two rounds on every seed), AFL first; none where
+    no method takes more (there is no curve to reach them on)."""
     rounds: dict[str, list[int]] = defaultdict(list)
     for (where, _, method), record in chosen.items():
         if where == setting and record["class_path"] != REFERENCE:
             rounds[method].append(record["rounds"])
     one_round = [method for method, counts in rounds.items() if max(counts) <= 2]
+    if len(one_round) == len(rounds):
+        return []
     return sorted(one_round, key=lambda m: (m != "AFL", [s.name for s in scenario.methods].index(m)))[:2]
 
 

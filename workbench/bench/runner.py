@@ -6,8 +6,11 @@ full): a rerun skips every key already recorded as done, so an interrupted bench
 it stopped and a changed setting reruns only its runs. A run that raises is recorded as failed
 with its error and the others go on (`--retry_failed` runs the failed ones again); one stopped by
 the round's check for non-finite uploads is recorded as diverged, a grid point's outcome that is
-never chosen and not run again. Each fit also
+never chosen and not run again. Each run also
 leaves a run folder (`config.yaml`, `metrics.csv`) that `workbench compare` reads.
+
+A method whose grid varies only settings its server's last solve reads (`MethodSpec.shares_fit`)
+runs a cell's points as one job: the first point fits, the others solve that fit again.
 """
 from __future__ import annotations
 
