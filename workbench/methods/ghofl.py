@@ -320,7 +320,7 @@ class GHOFL(FederatedMethod):
         return {}
 
     def server_update(self, uploads: Uploads, num_clients: float) -> Metrics:
-        self._sums = uploads  # kept in memory (not saved) to solve again at another shrinkage
+        self._sums = uploads  # kept in memory (not saved) to solve again at another shrinkage or ridge
         seconds: dict[str, float] = {}
         start = time.perf_counter()
         moments = GaussianMoments.from_sums(
