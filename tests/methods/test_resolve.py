@@ -60,6 +60,10 @@ def test_only_server_settings_of_a_fitted_model_can_be_solved_again(fit_method, 
         afl.resolve(gamma=2.0)  # each client adds its γ: the clients read it
     with pytest.raises(ValueError, match="gamma_out must be ≥ 0"):
         afl.resolve(gamma_out=-1.0)
+    fed3r = Fed3R(ridge=0.01)
+    fit_method(fed3r, data)
+    with pytest.raises(ValueError, match="ridge must be > 0"):
+        fed3r.resolve(ridge=0.0)  # as a fit refuses it
     chosen = AFL(gamma_grid=[0.1, 1.0])
     fit_method(chosen, data)
     with pytest.raises(ValueError, match="chosen on the clients' hold-outs"):

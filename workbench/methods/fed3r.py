@@ -123,6 +123,11 @@ class Fed3RClient(AFLClient):
         return design_rows(features, self.stat_dtype, self.bias, fourier)
 
 
+def check_ridge(ridge: float) -> None:
+    if not ridge > 0:
+        raise ValueError(f"ridge must be > 0 (λ of W = (A + λI)⁻¹B, e.g. 0.01), got {ridge}")
+
+
 class Fed3R(AFL):
     """Federated recursive ridge regression: a closed-form ridge head in one round, optionally on
     random Fourier features (Fed3R-RF).
@@ -149,8 +154,7 @@ class Fed3R(AFL):
 
     def __init__(self, ridge: float = 0.01, random_features: int = 0, rf_sigma: float | None = None,
                  bias: bool = True, dtype: str = "float64", seed: int = 0) -> None:
-        if not ridge > 0:
-            raise ValueError(f"ridge must be > 0 (λ of W = (A + λI)⁻¹B, e.g. 0.01), got {ridge}")
+        check_ridge(ridge)
         if isinstance(random_features, bool) or not isinstance(random_features, int) or random_features < 0:
             raise ValueError(f"random_features must be an integer ≥ 0 (D; 0: φ(x) = x), got {random_features!r}")
         if rf_sigma is not None and not (rf_sigma > 0 and math.isfinite(rf_sigma)):
@@ -179,6 +183,11 @@ class Fed3R(AFL):
         """φ(x) [, 1]: (n, d) -> (n, p) in the statistics dtype. AFL fits W on these rows."""
         fourier = (self.rf_omega, self.rf_phase) if self.random_features else None
         return design_rows(features, self.stat_dtype, self.bias, fourier)
+
+    def solve_again(self, settings: Mapping[str, float]) -> None:
+        """W at another λ (> 0, as a fit takes it) from the kept A and B."""
+        check_ridge(settings["ridge"])
+        super().solve_again(settings)
 
     def client_half(self) -> Fed3RClient:
         if self.problem is None:
